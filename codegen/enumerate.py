@@ -1,0 +1,45 @@
+"""Every instance `moeforge generate` builds, per quant type: the tuner's whole search
+space (the tuner may only choose what was generated)."""
+from __future__ import annotations
+
+from itertools import product
+
+from .quant import QuantType
+from .spec import KernelSpec, MmqSpec, MmvqSpec, UtilSpec
+
+MMQ_X = (8, 16, 32, 64, 128)
+MMQ_YW = ((64, 4), (128, 4), (128, 8))
+MMQ_KBLOCKS = (8,)
+MMQ_STAGES = (2, 3)
+MMVQ_TOKENS = (1, 2, 4, 8)
+MMVQ_WARPS = (2, 4, 8)
+MMVQ_ROWS = (1, 2, 4)
+FUSED_WARPS = (4,)
+FUSED_ROWS = (1, 2)
+
+
+def mmq_specs(q: QuantType) -> list[MmqSpec]:
+    out = []
+    for ids, sk, x, (y, w), kb, st in product((True, False), (True, False), MMQ_X, MMQ_YW,
+                                             MMQ_KBLOCKS, MMQ_STAGES):
+        out.append(MmqSpec(q.name, x=x, y=y, warps=w, kblocks=kb, stages=st, ids=ids, stream_k=sk))
+    return out
+
+
+def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
+    out = [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids)
+           for ids, t, w, r in product((True, False), MMVQ_TOKENS, MMVQ_WARPS, MMVQ_ROWS)]
+    out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias)
+            for ids, act, bias, t, w, r in product((True, False), MmvqSpec.ACTS, (False, True),
+                                                   MMVQ_TOKENS, FUSED_WARPS, FUSED_ROWS)]
+    return out
+
+
+def all_specs(types: list[QuantType]) -> list[KernelSpec]:
+    specs: list[KernelSpec] = [UtilSpec()]
+    for q in types:
+        specs += mmq_specs(q)
+        specs += mmvq_specs(q)
+    for s in specs:
+        s.check()
+    return specs

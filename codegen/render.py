@@ -1,0 +1,40 @@
+"""Spec -> CUDA source, through the Jinja2 templates shipped in moeforge.templates."""
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from importlib import resources
+
+import jinja2
+
+from .spec import KernelSpec, MmqSpec
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    root = resources.files("moeforge.templates")
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(root)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+
+
+def render(spec: KernelSpec) -> str:
+    spec.check()
+    extra = {"L": spec.layout()} if isinstance(spec, MmqSpec) else {}
+    return _env().get_template(spec.template).render(spec=spec, **extra)
+
+
+@lru_cache(maxsize=1)
+def templates_hash() -> str:
+    """Hash of every template file: part of the GPU profile fingerprint."""
+    root = resources.files("moeforge.templates")
+    h = hashlib.sha256()
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".j2"):
+            h.update(entry.name.encode())
+            h.update(entry.read_bytes())
+    return h.hexdigest()[:16]

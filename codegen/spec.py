@@ -1,0 +1,189 @@
+"""Kernel instances as data: frozen dataclasses with deterministic names.
+
+A spec holds every choice that changes the generated source. Its `name` is the
+instance's identity everywhere (files, profiles, logs); its `symbol` is the C name.
+Launch-time facts (grid size, stream-k block count) are not part of a spec.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+from .quant import QuantType, quant_type
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    family: ClassVar[str] = ""
+    template: ClassVar[str] = ""
+
+    @property
+    def name(self) -> str:  # pragma: no cover - every family overrides
+        raise NotImplementedError
+
+    @property
+    def symbol(self) -> str:
+        return self.name.replace("-", "_")
+
+    def check(self) -> None:
+        """Raise ValueError when the spec cannot be generated at all."""
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, **asdict(self)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "KernelSpec":
+        d = dict(d)
+        family = d.pop("family", None)
+        cls = SPEC_FAMILIES.get(family)
+        if cls is None:
+            raise ValueError(f"unknown kernel family {family!r}")
+        allowed = {f.name for f in fields(cls)}
+        unknown = set(d) - allowed
+        if unknown:
+            raise ValueError(f"unknown fields for {family}: {sorted(unknown)}")
+        spec = cls(**d)
+        spec.check()
+        return spec
+
+
+@dataclass(frozen=True)
+class UtilSpec(KernelSpec):
+    """The small kernels every path shares: q8_1 activation quantization, routing,
+    the stream-k fixup, and the gather/scatter of the per-expert path."""
+    family: ClassVar[str] = "util"
+    template: ClassVar[str] = "util.cu.j2"
+
+    @property
+    def name(self) -> str:
+        return "util"
+
+    KERNELS: ClassVar[tuple[str, ...]] = (
+        "quantize_q8_1", "route_experts", "streamk_fixup", "gather_rows_q8_1", "scatter_rows",
+    )
+
+
+@dataclass(frozen=True)
+class MmqSpec(KernelSpec):
+    """Quantized GEMM on int8 tensor cores (mma.sync m16n8k32).
+
+    x: tokens per tile (llama.cpp's mmq_x), y: weight rows per tile (mmq_y),
+    kblocks: quant blocks per pipeline stage, stages: cp.async pipeline depth.
+    ids=True is MUL_MAT_ID (all experts in one launch, tiles from the routing kernel);
+    stream_k=True splits the (tile, k-chunk) work evenly over a persistent grid.
+    """
+    family: ClassVar[str] = "mmq"
+    template: ClassVar[str] = "mmq.cu.j2"
+    qtype: str
+    x: int
+    y: int
+    warps: int
+    kblocks: int = 8
+    stages: int = 2
+    ids: bool = True
+    stream_k: bool = True
+
+    @property
+    def quant(self) -> QuantType:
+        return quant_type(self.qtype)
+
+    @property
+    def name(self) -> str:
+        fam = "mmq_id" if self.ids else "mmq"
+        sk = "-sk" if self.stream_k else ""
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}{sk}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def check(self) -> None:
+        q = self.quant
+        if q.block_values != 32:
+            raise ValueError(f"{self.name}: mmq handles 32-value blocks only")
+        if self.x % 8 or not 8 <= self.x <= 128:
+            raise ValueError(f"{self.name}: x must be a multiple of 8 in [8, 128]")
+        if self.y % (16 * self.warps):
+            raise ValueError(f"{self.name}: y must be a multiple of 16*warps")
+        if self.kblocks not in (2, 4, 8, 16):
+            raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
+        if self.kblocks * q.block_values > 1024:
+            raise ValueError(f"{self.name}: a stage spans more than 1024 values")
+        if self.stages not in (2, 3, 4):
+            raise ValueError(f"{self.name}: stages must be 2, 3 or 4")
+
+    # Shared-memory layout of one pipeline stage. Rows are padded by 16 bytes so that the
+    # 8 rows a warp reads at once fall in different banks; every region stays 16-byte
+    # aligned for cp.async.
+    def layout(self) -> dict[str, int]:
+        q = self.quant
+        wq_row = self.kblocks * q.qs_bytes + 16
+        wm_row = _pad16(self.kblocks * q.meta_bytes)
+        xq_row = self.kblocks * 32 + 16
+        xd_row = self.kblocks * 8 + 16
+        wq = 0
+        wm = wq + self.y * wq_row
+        xq = wm + self.y * wm_row
+        xd = xq + self.x * xq_row
+        stage = xd + self.x * xd_row
+        return dict(wq_row=wq_row, wm_row=wm_row, xq_row=xq_row, xd_row=xd_row,
+                    wq=wq, wm=wm, xq=xq, xd=xd, stage=stage)
+
+    def smem_bytes(self) -> int:
+        return self.layout()["stage"] * self.stages
+
+
+@dataclass(frozen=True)
+class MmvqSpec(KernelSpec):
+    """Quantized mat-vec for 1..8 token vectors: every weight row read once per launch.
+
+    tokens: vectors handled per pass (the launch loops when more share an expert),
+    warps per block, rows: weight rows per warp (more rows, more loads in flight).
+    act: None for a plain product; "silu", "gelu" or "swiglu_oai" for the fused
+    act(gate) * up form, with optional biases on gate and up.
+    """
+    family: ClassVar[str] = "mmvq"
+    template: ClassVar[str] = "mmvq.cu.j2"
+    qtype: str
+    tokens: int = 8
+    warps: int = 4
+    rows: int = 1
+    ids: bool = True
+    act: str | None = None
+    bias: bool = False
+
+    ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
+
+    @property
+    def quant(self) -> QuantType:
+        return quant_type(self.qtype)
+
+    @property
+    def name(self) -> str:
+        fam = "mmvq_id" if self.ids else "mmvq"
+        fused = f"-{self.act}" if self.act else ""
+        bias = "-bias" if self.bias else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def check(self) -> None:
+        if not 1 <= self.tokens <= 8:
+            raise ValueError(f"{self.name}: tokens must be in [1, 8]")
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"{self.name}: warps must be 1, 2, 4 or 8")
+        if self.rows not in (1, 2, 4):
+            raise ValueError(f"{self.name}: rows must be 1, 2 or 4")
+        if self.act is not None and self.act not in self.ACTS:
+            raise ValueError(f"{self.name}: act must be one of {self.ACTS}")
+        if self.bias and self.act is None:
+            raise ValueError(f"{self.name}: biases belong to the fused gate/up form")
+
+
+SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, MmqSpec, MmvqSpec)}

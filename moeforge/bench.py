@@ -1,0 +1,196 @@
+"""`moeforge bench`: MUL_MAT_ID on the anchor shapes, in test-backend-ops' columns
+(us/run, TFLOPS) plus the physical floor and llama.cpp's figure on an H100.
+
+Two timings per row: `hot` repeats the same weights, as llama.cpp's harness does (at small
+n they stay in L2); `cold` rotates through enough weight copies that every call reads
+from HBM, as a model does. Inputs (x, ids) always rotate; nothing runs on zeros.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from importlib import resources
+
+import numpy as np
+import yaml
+
+ANCHOR_SHAPES = ((128, 8, 768, 2048), (32, 4, 1792, 2048))
+ANCHOR_N = {(128, 8, 768, 2048): (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+            (32, 4, 1792, 2048): (1, 4, 16, 128, 1024)}
+INT8_TOPS = {"9.0": 1000.0}   # dense int8 through mma.sync (the anchor file's figure for H100)
+
+
+def anchors() -> dict:
+    return yaml.safe_load(resources.files("moeforge").joinpath("anchors.yaml").read_text())
+
+
+def anchor_us(qtype: str, shape, n: int) -> float | None:
+    table = anchors()["mul_mat_id"].get(",".join(map(str, shape)), {}).get(qtype, {})
+    return table.get(n)
+
+
+def floor_us(qtype: str, shape, ids: np.ndarray, bw_gbs: float, cc: str) -> float:
+    from .codegen.quant import quant_type
+    E, top_k, m, k = shape
+    n = ids.shape[0]
+    touched = len(np.unique(ids))
+    nbytes = touched * m * quant_type(qtype).row_bytes(k) + n * k * 4 + n * top_k * m * 4
+    t_mem = nbytes / (bw_gbs * 1e9) * 1e6
+    tops = INT8_TOPS.get(cc)
+    t_ops = 2.0 * m * k * n * top_k / (tops * 1e12) * 1e6 if tops else 0.0
+    return max(t_mem, t_ops)
+
+
+def sweep_choices(qtype: str, shape, n: int):
+    """Candidates around the tokens each expert receives (a tuner in miniature)."""
+    from .codegen.enumerate import MMQ_STAGES, MMQ_X, MMQ_YW, MMVQ_ROWS, MMVQ_WARPS
+    from .codegen.spec import MmqSpec, MmvqSpec
+    from .runtime.dispatch import MMVQ_MAX_ENTRIES, MMVQ_MAX_TOKENS, Choice
+    E, top_k, m, k = shape
+    out = []
+    if n <= MMVQ_MAX_TOKENS and n * top_k <= MMVQ_MAX_ENTRIES:
+        t = min(8, 1 << math.ceil(math.log2(n)))
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r)) for w in MMVQ_WARPS for r in MMVQ_ROWS]
+    per = n * top_k / E
+    xs = [x for x in MMQ_X if per / 4 <= x <= max(8, per * 2)] or [8]
+    out += [Choice("mmq_id", MmqSpec(qtype, x=x, y=y, warps=w, stages=s, stream_k=sk))
+            for x in xs for (y, w) in MMQ_YW for s in MMQ_STAGES for sk in (True, False)]
+    return out
+
+
+def _choices(mode: str, qtype: str, shape, n: int):
+    from .codegen.spec import MmqSpec
+    from .runtime import dispatch
+    E, top_k, m, k = shape
+    default = dispatch.choose_mul_mat_id(qtype, E, top_k, m, k, n)
+    if mode == "default":
+        return [default]
+    if mode == "sweep":
+        return [default] + [c for c in sweep_choices(qtype, shape, n) if c.spec != default.spec]
+    paths = dispatch.PATHS if mode == "all" else tuple(mode.split(","))
+    out = []
+    for p in paths:
+        if p == "mmvq" and (n > dispatch.MMVQ_MAX_TOKENS or n * top_k > dispatch.MMVQ_MAX_ENTRIES):
+            continue
+        if p == default.path:
+            out.append(default)
+        elif p == "mmvq":
+            out.append(dispatch.Choice("mmvq", dispatch.default_mmvq(qtype, n, ids=True)))
+        elif p == "mmq_id":
+            out.append(dispatch.Choice("mmq_id", dispatch.default_mmq(qtype, n * top_k / E, ids=True)))
+        elif p == "per_expert":
+            out.append(dispatch.Choice("per_expert", MmqSpec(qtype, x=64, y=64, warps=4, stages=3,
+                                                             ids=False, stream_k=False)))
+    return out
+
+
+class Case:
+    """Weights (one copy, or enough copies to defeat L2) and rotating inputs for one shape."""
+
+    def __init__(self, qtype: str, shape, rng, l2_bytes: int, cold: bool):
+        import cupy as cp
+        from . import reference as ref
+        from .runtime.tensor import QuantTensor
+        E, top_k, m, k = shape
+        raw = ref.random_blocks(qtype, E * m, k, rng)
+        w0 = QuantTensor.from_blocks(raw, qtype, (E, m, k))
+        copies = max(2, math.ceil(4 * l2_bytes / w0.nbytes)) if cold else 1
+        self.weights = [w0] + [QuantTensor(w0.buffer.copy(), w0.quant, w0.shape) for _ in range(copies - 1)]
+        self.rng, self.shape = rng, shape
+
+    def inputs(self, n: int, sets: int = 4):
+        import cupy as cp
+        E, top_k, m, k = self.shape
+        xs, idss = [], []
+        for _ in range(sets):
+            xs.append(cp.asarray(self.rng.standard_normal((n, k)).astype(np.float32)))
+            ids = np.argsort(self.rng.random((n, E)), axis=1)[:, :top_k].astype(np.int32)
+            idss.append(cp.asarray(ids))
+        return xs, idss
+
+
+def run_shape(qtype: str, shape, ns, mode: str, reps: int, rng, info, bw_gbs: float, out_rows: list):
+    import cupy as cp
+    from .runtime.ops import run_mul_mat_id
+    from .tuning.timing import time_calls
+    E, top_k, m, k = shape
+    hot = Case(qtype, shape, rng, info["l2_bytes"], cold=False)
+    cold = Case(qtype, shape, rng, info["l2_bytes"], cold=True)
+    cold.weights[0] = hot.weights[0]
+    for n in ns:
+        xs, idss = hot.inputs(n)
+        out = cp.empty((n, top_k, m), dtype=cp.float32)
+        fl = floor_us(qtype, shape, idss[0].get(), bw_gbs, info["cc"])
+        for choice in _choices(mode, qtype, shape, n):
+            graph = choice.path != "per_expert"
+            nin = len(xs)
+
+            def call(i, ws):
+                run_mul_mat_id(ws[i % len(ws)], xs[i % nin], idss[i % nin], out, choice)
+
+            try:
+                t_hot = time_calls(lambda i: call(i, hot.weights), nin, reps=reps, use_graph=graph)
+                nc = max(nin, len(cold.weights))
+                t_cold = time_calls(lambda i: call(i, cold.weights), nc, calls=nc, reps=reps, use_graph=graph)
+            except Exception as e:  # a spec that cannot launch here is reported, not fatal
+                print(f"  {qtype} n={n} {choice.spec.name}: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            a = anchor_us(qtype, shape, n)
+            row = dict(qtype=qtype, shape=list(shape), n=n, path=choice.path, spec=choice.spec.name,
+                       source=choice.source, us=round(t_hot.median_us, 2), us_cold=round(t_cold.median_us, 2),
+                       spread=round(t_hot.spread, 3), graph=graph,
+                       tflops=round(2.0 * m * k * n * top_k / (t_hot.median_us * 1e6), 2),
+                       floor_us=round(fl, 2), pct_floor=round(100 * fl / t_cold.median_us, 1),
+                       llama_us=a, speedup=round(a / t_hot.median_us, 2) if a else None)
+            out_rows.append(row)
+            print(f"  {qtype} {','.join(map(str, shape))} n={n:<5} {choice.path:<10} {choice.spec.name:<34} "
+                  f"{row['us']:>9.2f} us  cold {row['us_cold']:>9.2f}", file=sys.stderr, flush=True)
+
+
+def best_rows(rows: list) -> list:
+    best: dict = {}
+    for r in rows:
+        key = (r["qtype"], tuple(r["shape"]), r["n"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return list(best.values())
+
+
+def print_table(rows: list, info: dict, bw_gbs: float, out=sys.stdout) -> None:
+    print(f"\n{info['name']} ({info['sm_count']} SMs, driver {info['driver']}, CUDA {info['cuda_runtime']}), "
+          f"copy bandwidth {bw_gbs:.0f} GB/s", file=out)
+    hdr = (f"{'type':<5} {'E,top_k,m,k':<16} {'n':>5} {'path':<10} {'spec':<34} {'us/run':>9} {'TFLOPS':>7} "
+           f"{'cold us':>9} {'floor':>7} {'%floor':>6} {'llama':>8} {'x llama':>7}")
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    for r in sorted(rows, key=lambda r: (r["qtype"], r["shape"], r["n"], r["us"])):
+        llama = f"{r['llama_us']:.1f}" if r["llama_us"] else "-"
+        sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
+        print(f"{r['qtype']:<5} {','.join(map(str, r['shape'])):<16} {r['n']:>5} {r['path']:<10} {r['spec']:<34} "
+              f"{r['us']:>9.2f} {r['tflops']:>7.2f} {r['us_cold']:>9.2f} {r['floor_us']:>7.1f} "
+              f"{r['pct_floor']:>6.1f} {llama:>8} {sp:>7}", file=out)
+
+
+def main(args) -> int:
+    from .codegen.quant import parse_types
+    from .runtime.device import device_info, has_gpu
+    from .tuning.timing import copy_bandwidth_gbs
+    if not has_gpu():
+        print("moeforge bench: no CUDA device found; benchmarks need a GPU", file=sys.stderr)
+        return 2
+    info = device_info()
+    bw = copy_bandwidth_gbs()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape else ANCHOR_SHAPES
+    rng = np.random.default_rng()
+    rows: list = []
+    for q in parse_types(args.types):
+        for shape in shapes:
+            ns = [int(v) for v in args.n.split(",")] if args.n else ANCHOR_N.get(shape, (1, 16, 128, 1024))
+            run_shape(q.name, shape, ns, args.paths, args.reps, rng, info, bw, rows)
+    shown = best_rows(rows) if args.paths == "sweep" else rows
+    print_table(shown, info, bw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": info, "copy_gbs": bw, "rows": rows}, f, indent=1)
+    return 0

@@ -1,0 +1,129 @@
+"""numpy references for every kernel: the float64 truth and an emulation of the kernels'
+own integer arithmetic (q8_1 activations times the weight quants, block by block).
+
+The float reference catches gross errors (ggml's bar: NMSE <= 5e-4 from rounding alone);
+the emulation agrees with a correct kernel to float32 accumulation error (~1e-6), so it
+catches subtle ones (a wrong scale, an off-by-one block, a lost partial sum).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import quants
+
+from .codegen.quant import QuantType, quant_type
+
+
+def _q(qtype) -> QuantType:
+    return quant_type(qtype) if isinstance(qtype, str) else qtype
+
+
+def dequantize(raw: np.ndarray, qtype, shape) -> np.ndarray:
+    q = _q(qtype)
+    return quants.dequantize(np.asarray(raw).reshape(-1, q.row_bytes(shape[-1])), q.ggml_type).reshape(shape)
+
+
+def round_half_away(r: np.ndarray) -> np.ndarray:
+    """C's roundf, in float64 where |r| + 0.5 is exact for float32 r."""
+    r = r.astype(np.float64)
+    return np.sign(r) * np.floor(np.abs(r) + 0.5)
+
+
+def quantize_q8_1(x: np.ndarray):
+    """Float32 rows (.., k) -> (q int8 (.., k), d float32 (.., k/32), s float32 (.., k/32)),
+    bit for bit what the quantize_q8_1 kernel writes: d = amax/127, q = roundf(x/d),
+    s = d * sum(q)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    k = x.shape[-1]
+    if k % 32:
+        raise ValueError(f"k={k} is not a multiple of 32")
+    xb = x.reshape(*x.shape[:-1], k // 32, 32)
+    amax = np.abs(xb).max(axis=-1)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = (xb / d[..., None]).astype(np.float32)
+    q = np.where(amax[..., None] == 0, 0, round_half_away(r)).astype(np.int8)
+    s = (d * q.astype(np.int32).sum(axis=-1).astype(np.float32)).astype(np.float32)
+    return q.reshape(x.shape), d, s
+
+
+def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
+    """Weights as the kernels multiply them: integer quants (rows, k), the per-block
+    multiplier (rows, nb) and the per-block offset multiplier (rows, nb) such that
+    contribution = mul * dx * idot + add * sx."""
+    nb = k // 32
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, q.block_bytes)
+    d = blocks[:, :, 0:2].copy().view(np.float16).reshape(rows, nb).astype(np.float32)
+    if q.name == "q4_0":
+        b = blocks[:, :, 2:18]
+        ints = np.concatenate([b & 0x0F, b >> 4], axis=2).astype(np.int32)
+        return ints.reshape(rows, k), d, -8.0 * d
+    if q.name == "q8_0":
+        ints = blocks[:, :, 2:34].view(np.int8).astype(np.int32)
+        return ints.reshape(rows, k), d, np.zeros_like(d)
+    raise NotImplementedError(f"no kernel emulation for {q.name}")
+
+
+def _expert_groups(ids: np.ndarray):
+    flat = ids.reshape(-1)
+    for e in np.unique(flat):
+        yield int(e), np.nonzero(flat == e)[0]
+
+
+def mul_mat_id_float(w: np.ndarray, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """float64 MUL_MAT_ID: w (E, m, k) float, x (n, k) or (n, top_k, k), ids (n, top_k)."""
+    n, top_k = ids.shape
+    xs = _entry_rows(x, n, top_k).astype(np.float64)
+    out = np.empty((n * top_k, w.shape[1]), dtype=np.float64)
+    for e, entries in _expert_groups(ids):
+        out[entries] = xs[entries] @ w[e].astype(np.float64).T
+    return out.reshape(n, top_k, w.shape[1])
+
+
+def _entry_rows(x: np.ndarray, n: int, top_k: int) -> np.ndarray:
+    if x.ndim == 2:
+        return np.repeat(x, top_k, axis=0)
+    return x.reshape(n * top_k, x.shape[-1])
+
+
+def mul_mat_id_emulated(raw: np.ndarray, qtype, shape, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """What the kernels compute, in float64: q8_1 activations, integer block dots, the
+    kernels' scale formula. raw: GGUF blocks of w (E, m, k)."""
+    q = _q(qtype)
+    E, m, k = shape
+    n, top_k = ids.shape
+    ints, mul, add = _kernel_view(raw, q, E * m, k)
+    ints, mul, add = ints.reshape(E, m, k), mul.reshape(E, m, -1), add.reshape(E, m, -1)
+    xq, dx, sx = quantize_q8_1(_entry_rows(x, n, top_k))
+    nb = k // 32
+    xdeq = (xq.reshape(-1, nb, 32).astype(np.float64) * dx[..., None]).reshape(-1, k)
+    out = np.empty((n * top_k, m), dtype=np.float64)
+    for e, entries in _expert_groups(ids):
+        wk = (ints[e].reshape(m, nb, 32) * mul[e][..., None].astype(np.float64)).reshape(m, k)
+        out[entries] = xdeq[entries] @ wk.T + sx[entries].astype(np.float64) @ add[e].astype(np.float64).T
+    return out.reshape(n, top_k, m)
+
+
+def mul_mat_float(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def mul_mat_emulated(raw: np.ndarray, qtype, shape, x: np.ndarray) -> np.ndarray:
+    m, k = shape
+    ids = np.zeros((x.shape[0], 1), dtype=np.int32)
+    return mul_mat_id_emulated(raw, qtype, (1, m, k), x, ids)[:, 0, :]
+
+
+def nmse(out, ref) -> float:
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    return float(np.sum((out - ref) ** 2) / max(np.sum(ref ** 2), 1e-300))
+
+
+def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random GGUF blocks: random quants, scales drawn like real weights' (finite,
+    never zero, both signs where the format has them)."""
+    q = _q(qtype)
+    nb = k // q.block_values
+    blocks = rng.integers(0, 256, size=(rows, nb, q.block_bytes), dtype=np.uint8)
+    d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb))).astype(np.float16)
+    blocks[:, :, 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
+    return blocks.reshape(rows, nb * q.block_bytes)

@@ -1,0 +1,61 @@
+"""Loading compiled instances on the GPU. Compilation (and rendering) is codegen's job:
+the runtime asks for a cubin and loads it, once per spec and device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..codegen.compile import compile_spec
+from ..codegen.spec import KernelSpec
+from .device import device_info, require_gpu
+
+
+@dataclass(frozen=True)
+class LoadedKernel:
+    spec: KernelSpec
+    function: object       # cupy RawKernel-like callable
+    registers: int
+    smem: int              # dynamic shared memory the launch needs
+    blocks_per_sm: int     # occupancy from registers, shared memory and threads
+
+    def __call__(self, grid, args, *, block=None, smem=None, stream=None):
+        threads = block or getattr(self.spec, "threads", 256)
+        self.function(grid, (threads,), args, shared_mem=self.smem if smem is None else smem, stream=stream)
+
+
+def _occupancy(info: dict, regs: int, threads: int, smem: int) -> int:
+    by_regs = info["regs_per_sm"] // max(1, regs * threads) if regs else 32
+    by_smem = (info["smem_per_sm"] - 1024) // (smem + 1024) if smem else 32
+    by_threads = info["max_threads_per_sm"] // threads
+    return max(0, min(by_regs, by_smem, by_threads, 32))
+
+
+@lru_cache(maxsize=None)
+def _module(spec: KernelSpec, device_id: int):
+    cp = require_gpu(f"loading {spec.name}")
+    info = device_info(device_id)
+    compiled = compile_spec(spec, info["arch"])
+    with cp.cuda.Device(device_id):
+        return cp.RawModule(path=str(compiled.cubin)), compiled
+
+
+def load(spec: KernelSpec, symbol: str | None = None) -> LoadedKernel:
+    cp = require_gpu(f"running {spec.name}")
+    dev = cp.cuda.Device().id
+    return _loaded(spec, symbol or spec.symbol, dev)
+
+
+@lru_cache(maxsize=None)
+def _loaded(spec: KernelSpec, symbol: str, dev: int) -> LoadedKernel:
+    module, compiled = _module(spec, dev)
+    info = device_info(dev)
+    fn = module.get_function(symbol)
+    smem = spec.smem_bytes() if hasattr(spec, "smem_bytes") else 0
+    if smem > info["smem_per_block_optin"]:
+        raise ValueError(f"{spec.name} needs {smem} bytes of shared memory; {info['name']} allows "
+                         f"{info['smem_per_block_optin']}")
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    regs = compiled.info.get(symbol, {}).get("registers", 0)
+    threads = getattr(spec, "threads", 256)
+    return LoadedKernel(spec, fn, regs, smem, _occupancy(info, regs, threads, smem))

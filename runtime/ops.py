@@ -1,0 +1,261 @@
+"""The quantized products, as ggml defines them, on the GPU.
+
+mul_mat_id(w, x, ids): out[t, j] = W[ids[t, j]] @ x[t, j or 0]   (ggml's MUL_MAT_ID)
+mul_mat(w, x):         out[t]    = W @ x[t]
+
+Every argument is checked before any kernel runs. The launch sequences below never
+synchronize with the host (except the per-expert path, which must read the expert
+counts), so they can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..codegen.spec import MmqSpec, MmvqSpec, UtilSpec
+from . import dispatch
+from .device import device_info, require_gpu
+from .kernels import load
+from .tensor import QuantTensor
+
+_NULL = np.uint64(0)
+_i32 = np.int32
+
+
+# -- validation ---------------------------------------------------------------------------
+def _device_array(a, name: str, dtype, ndims: tuple[int, ...], device_id: int):
+    cp = require_gpu("moeforge products")
+    if isinstance(a, np.ndarray) or np.isscalar(a):
+        raise ValueError(f"{name} is a host array; pass a device array (CuPy, or anything with "
+                         f"__cuda_array_interface__ or DLPack)")
+    if isinstance(a, cp.ndarray):
+        arr = a
+    elif hasattr(a, "__cuda_array_interface__"):
+        arr = cp.asarray(a)
+    elif hasattr(a, "__dlpack__"):
+        try:
+            arr = cp.from_dlpack(a)
+        except Exception as e:
+            raise ValueError(f"{name} could not be taken as a device array ({e})") from None
+    else:
+        raise ValueError(f"{name} must be a device array, got {type(a).__name__}")
+    if arr.dtype != dtype:
+        raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {arr.dtype}")
+    if arr.ndim not in ndims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {arr.shape}")
+    if arr.device.id != device_id:
+        raise ValueError(f"{name} is on device {arr.device.id}, the weights on device {device_id}")
+    return cp.ascontiguousarray(arr)
+
+
+def _check_weights(w, ndim: int, name: str = "w") -> None:
+    if not isinstance(w, QuantTensor):
+        raise ValueError(f"{name} must be a moeforge.QuantTensor, got {type(w).__name__}")
+    if len(w.shape) != ndim:
+        want = "(E, m, k)" if ndim == 3 else "(m, k)"
+        raise ValueError(f"{name} must have shape {want}, got {w.shape}")
+
+
+def _check_out(out, shape, device_id):
+    cp = require_gpu()
+    if not isinstance(out, cp.ndarray) or out.dtype != np.float32 or out.shape != shape \
+            or not out.flags.c_contiguous or out.device.id != device_id:
+        raise ValueError(f"out must be a contiguous float32 CuPy array of shape {shape} on device {device_id}")
+    return out
+
+
+# -- workspace ----------------------------------------------------------------------------
+class _Workspace:
+    """Grow-only scratch buffers per device, so that repeated calls (and graph capture)
+    allocate nothing."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[int, str], object] = {}
+
+    def get(self, name: str, nbytes: int, dtype=np.uint8):
+        cp = require_gpu()
+        key = (cp.cuda.Device().id, name)
+        nbytes = max(16, int(nbytes))
+        buf = self._bufs.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = cp.empty(nbytes, dtype=cp.uint8)
+            self._bufs[key] = buf
+        itemsize = np.dtype(dtype).itemsize
+        return buf[: nbytes - nbytes % itemsize].view(dtype)
+
+
+WORKSPACE = _Workspace()
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+# -- launch pieces ------------------------------------------------------------------------
+def _util(name: str):
+    return load(UtilSpec(), name)
+
+
+def quantize_activations(x2d):
+    """float32 (rows, k) -> q8_1 (xq int8 (rows, k), xds float32 (rows, nbp, 2), nbp)."""
+    rows, k = x2d.shape
+    nb = k // 32
+    nbp = _round_up(nb, 32)
+    xq = WORKSPACE.get("xq", rows * k, np.int8).reshape(rows, k)
+    xds = WORKSPACE.get("xds", rows * nbp * 8, np.float32).reshape(rows, nbp, 2)
+    _util("quantize_q8_1")((rows, -(-nbp // 8)), (x2d, xq, xds, _i32(rows), _i32(k), _i32(nbp)), block=256)
+    return xq, xds, nbp
+
+
+def _route(ids, E: int, tile_x: int):
+    N = ids.size
+    max_tiles = N // tile_x + min(E, N)
+    rows = WORKSPACE.get("rows", N * 4, np.int32)
+    tiles = WORKSPACE.get("tiles", max_tiles * 16, np.int32)
+    ntt = WORKSPACE.get("ntt", 4, np.int32)
+    eoff = WORKSPACE.get("eoff", (E + 1) * 4, np.int32)
+    _util("route_experts")((E,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff),
+                           block=256, smem=(3 * E + 8) * 4)
+    return rows, tiles, ntt, eoff, max_tiles
+
+
+def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr: int, m: int,
+         rows, tiles, ntt, max_tiles: int, n_dense: int, x_div: int, xq_ptr=None, xds_ptr=None):
+    """One MMQ launch (and its stream-k fixup). Dense when rows/tiles are None."""
+    kern = load(spec)
+    info = device_info(require_gpu().cuda.Device().id)
+    n_mt = -(-m // spec.y)
+    iters = -(-w.nb // spec.kblocks)
+    if max_tiles * n_mt * iters >= 2**31:
+        raise ValueError(f"product too large for one launch ({max_tiles * n_mt * iters} work units)")
+    ptr = lambda a: a.data.ptr if a is not None else 0  # noqa: E731
+    if spec.stream_k:
+        grid = max(1, min(info["sm_count"] * max(1, kern.blocks_per_sm), max_tiles * n_mt * iters))
+        partials = WORKSPACE.get("partials", grid * 2 * spec.x * spec.y * 4, np.float32)
+    else:
+        grid, partials = max_tiles * n_mt, None
+    args = (np.uint64(w.qs_ptr(w_row0)), np.uint64(w.meta_ptr(w_row0)),
+            np.uint64(xq_ptr if xq_ptr is not None else xq.data.ptr),
+            np.uint64(xds_ptr if xds_ptr is not None else xds.data.ptr),
+            np.uint64(out_ptr), np.uint64(ptr(rows)), np.uint64(ptr(tiles)), np.uint64(ptr(ntt)),
+            np.uint64(ptr(partials)), _i32(m), _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp),
+            _i32(x_div), _i32(n_dense), _i32(grid))
+    kern((grid,), args)
+    if spec.stream_k:
+        _util("streamk_fixup")((grid,), (partials, np.uint64(out_ptr), np.uint64(ptr(rows)),
+                                         np.uint64(ptr(tiles)), np.uint64(ptr(ntt)), _i32(n_dense),
+                                         _i32(spec.x), _i32(spec.y), _i32(m), _i32(w.nb),
+                                         _i32(spec.kblocks), _i32(grid)), block=256)
+
+
+def _mmvq(spec: MmvqSpec, w: QuantTensor, xq, xds, nbp: int, ids, n_entries: int, x_div: int, out,
+          m: int, up: QuantTensor | None = None, up_off: int = 0, rows_e: int | None = None,
+          bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None):
+    kern = load(spec)
+    per_block = spec.warps * spec.rows
+    grid = (-(-m // per_block), n_entries if spec.ids else 1)
+    wu = up if up is not None else w
+    ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
+    args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), np.uint64(wu.qs_ptr()), np.uint64(wu.meta_ptr()),
+            _i32(rows_e if rows_e is not None else w.m), _i32(up_off),
+            ptr(bias_g), ptr(bias_u), _i32(bias_e),
+            xq, xds, _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
+            ptr(ids), _i32(n_entries), ptr(entry_scale), out, _i32(m))
+    kern(grid, args)
+
+
+# -- the products -------------------------------------------------------------------------
+def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice) -> None:
+    """No validation: callers (mul_mat_id, the model runtime, the tuner) have done it."""
+    E, m, k = w.shape
+    n, top_k = ids.shape
+    N = n * top_k
+    x_div = top_k if x.ndim == 2 else 1
+    xq, xds, nbp = quantize_activations(x.reshape(-1, k))
+    spec = choice.spec
+    if choice.path == "mmvq":
+        _mmvq(spec, w, xq, xds, nbp, ids, N, x_div, out, m)
+    elif choice.path == "mmq_id":
+        rows, tiles, ntt, _, max_tiles = _route(ids, E, spec.x)
+        _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, rows, tiles, ntt, max_tiles, 0, x_div)
+    elif choice.path == "per_expert":
+        _per_expert(spec, w, xq, xds, nbp, ids, x_div, out)
+    else:
+        raise ValueError(f"unknown path {choice.path!r}")
+
+
+def _per_expert(spec: MmqSpec, w: QuantTensor, xq, xds, nbp: int, ids, x_div: int, out) -> None:
+    E, m, k = w.shape
+    N = ids.size
+    rows, _, _, eoff, _ = _route(ids, E, spec.x)
+    xq_s = WORKSPACE.get("xq_sorted", N * k, np.int8)
+    xds_s = WORKSPACE.get("xds_sorted", N * nbp * 8, np.float32)
+    out_s = WORKSPACE.get("out_sorted", N * m * 4, np.float32)
+    _util("gather_rows_q8_1")((N,), (xq, xds, rows, _i32(x_div), _i32(N), _i32(k), _i32(nbp), xq_s, xds_s),
+                              block=256)
+    offsets = eoff.get()  # the one host synchronization of this path
+    for e in range(E):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        if hi == lo:
+            continue
+        _mmq(spec, w, e * m, None, None, nbp, out_s.data.ptr + lo * m * 4, m, None, None, None,
+             -(-(hi - lo) // spec.x), hi - lo, 1,
+             xq_ptr=xq_s.data.ptr + lo * k, xds_ptr=xds_s.data.ptr + lo * nbp * 8)
+    _util("scatter_rows")((N,), (out_s, rows, _i32(N), _i32(m), out), block=256)
+
+
+def mul_mat_id(w: QuantTensor, x, ids, *, out=None, choice: dispatch.Choice | None = None):
+    """ggml's MUL_MAT_ID. w: QuantTensor (E, m, k); x: float32 (n, k) or (n, top_k, k);
+    ids: int32 (n, top_k) in [0, E). Returns float32 (n, top_k, m)."""
+    cp = require_gpu("mul_mat_id")
+    _check_weights(w, 3)
+    E, m, k = w.shape
+    dev = w.buffer.device.id
+    x = _device_array(x, "x", np.float32, (2, 3), dev)
+    ids = _device_array(ids, "ids", np.int32, (2,), dev)
+    n, top_k = ids.shape
+    if x.shape[0] != n:
+        raise ValueError(f"x has {x.shape[0]} tokens but ids has {n}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has k={x.shape[-1]}, w has k={k}")
+    if x.ndim == 3 and x.shape[1] != top_k:
+        raise ValueError(f"x is (n, {x.shape[1]}, k) but ids chooses top_k={top_k} experts")
+    shape = (n, top_k, m)
+    out = _check_out(out, shape, dev) if out is not None else cp.empty(shape, dtype=cp.float32)
+    if n == 0 or top_k == 0:
+        return out
+    lo, hi = (int(v) for v in cp.stack([ids.min(), ids.max()]).get())
+    if lo < 0 or hi >= E:
+        raise ValueError(f"ids holds values in [{lo}, {hi}], outside [0, {E}) for w with {E} experts")
+    choice = choice or dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n)
+    run_mul_mat_id(w, x, ids, out, choice)
+    return out
+
+
+def run_mul_mat(w: QuantTensor, x, out, choice: dispatch.Choice) -> None:
+    m, k = w.shape
+    n = x.shape[0]
+    xq, xds, nbp = quantize_activations(x)
+    if choice.path == "mmvq":
+        _mmvq(choice.spec, w, xq, xds, nbp, None, n, 1, out, m)
+    elif choice.path == "mmq":
+        _mmq(choice.spec, w, 0, xq, xds, nbp, out.data.ptr, m, None, None, None,
+             -(-n // choice.spec.x), n, 1)
+    else:
+        raise ValueError(f"unknown path {choice.path!r} for mul_mat")
+
+
+def mul_mat(w: QuantTensor, x, *, out=None, choice: dispatch.Choice | None = None):
+    """Dense quantized product: w (m, k), x float32 (n, k) -> (n, m)."""
+    cp = require_gpu("mul_mat")
+    _check_weights(w, 2)
+    m, k = w.shape
+    dev = w.buffer.device.id
+    x = _device_array(x, "x", np.float32, (2,), dev)
+    if x.shape[1] != k:
+        raise ValueError(f"x has k={x.shape[1]}, w has k={k}")
+    n = x.shape[0]
+    out = _check_out(out, (n, m), dev) if out is not None else cp.empty((n, m), dtype=cp.float32)
+    if n == 0:
+        return out
+    run_mul_mat(w, x, out, choice or dispatch.choose_mul_mat(w.qtype, m, k, n))
+    return out

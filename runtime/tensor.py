@@ -1,0 +1,150 @@
+"""QuantTensor: GGUF block bytes on the GPU, with a quant type and a logical shape.
+
+The bytes are kept in moeforge's split layout (codegen.quant): per block the quant bytes
+and the remaining bytes (scales) in two regions, each row of each 16-byte aligned. It is a
+byte permutation of the GGUF blocks: `to_blocks()` returns them exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..codegen.quant import QuantType, quant_type
+
+_ALIGN = 256
+
+
+def split_blocks(raw: np.ndarray, q: QuantType, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF blocks (rows x row_bytes, uint8) -> (qs [rows, nb*qs_bytes], meta [rows, meta_stride])."""
+    nb = q.blocks_per_row(k)
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, q.block_bytes)
+    qs = blocks[:, :, q.qs_offset:q.qs_offset + q.qs_bytes].reshape(rows, nb * q.qs_bytes)
+    meta = np.zeros((rows, q.meta_stride(k)), dtype=np.uint8)
+    head, tail = blocks[:, :, :q.qs_offset], blocks[:, :, q.qs_offset + q.qs_bytes:]
+    meta[:, :nb * q.meta_bytes] = np.concatenate([head, tail], axis=2).reshape(rows, nb * q.meta_bytes)
+    return np.ascontiguousarray(qs), meta
+
+
+def join_blocks(qs: np.ndarray, meta: np.ndarray, q: QuantType, rows: int, k: int) -> np.ndarray:
+    """The inverse of split_blocks: GGUF block bytes, (rows, row_bytes)."""
+    nb = q.blocks_per_row(k)
+    qs = qs.reshape(rows, nb, q.qs_bytes)
+    m = meta[:, :nb * q.meta_bytes].reshape(rows, nb, q.meta_bytes)
+    head, tail = m[:, :, :q.qs_offset], m[:, :, q.qs_offset:]
+    return np.concatenate([head, qs, tail], axis=2).reshape(rows, nb * q.block_bytes)
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+class QuantTensor:
+    """Quantized weights on the GPU: (E, m, k) for experts, (m, k) for a matrix."""
+
+    def __init__(self, buffer, quant: QuantType, shape: tuple[int, ...]):
+        if len(shape) not in (2, 3):
+            raise ValueError(f"shape must be (m, k) or (E, m, k), got {shape}")
+        self.quant = quant
+        self.shape = tuple(int(s) for s in shape)
+        self.nb = quant.blocks_per_row(self.k)
+        self.meta_stride = quant.meta_stride(self.k)
+        self.buffer = buffer
+        self.qs_offset = 0
+        self.meta_offset = self._meta_offset(self.rows, self.nb, quant)
+
+    @staticmethod
+    def _meta_offset(rows: int, nb: int, q: QuantType) -> int:
+        return -(-(rows * nb * q.qs_bytes) // _ALIGN) * _ALIGN
+
+    @property
+    def qtype(self) -> str:
+        return self.quant.name
+
+    @property
+    def k(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def m(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def n_experts(self) -> int:
+        return self.shape[0] if len(self.shape) == 3 else 1
+
+    @property
+    def rows(self) -> int:
+        return _numel(self.shape[:-1])
+
+    @property
+    def nbytes(self) -> int:
+        """GGUF bytes of the tensor (what a kernel must read)."""
+        return self.rows * self.quant.row_bytes(self.k)
+
+    @property
+    def device(self):
+        return getattr(self.buffer, "device", None)
+
+    def qs_ptr(self, row: int = 0) -> int:
+        return self.buffer.data.ptr + self.qs_offset + row * self.nb * self.quant.qs_bytes
+
+    def meta_ptr(self, row: int = 0) -> int:
+        return self.buffer.data.ptr + self.meta_offset + row * self.meta_stride
+
+    def __repr__(self) -> str:
+        return f"QuantTensor({self.qtype}, shape={self.shape})"
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_blocks(cls, raw, qtype: str | QuantType, shape) -> "QuantTensor":
+        """From GGUF block bytes (uint8, any shape holding rows*row_bytes bytes)."""
+        import cupy as cp
+        q = quant_type(qtype) if isinstance(qtype, str) else qtype
+        shape = tuple(int(s) for s in shape)
+        if len(shape) not in (2, 3) or min(shape) <= 0:
+            raise ValueError(f"shape must be (m, k) or (E, m, k) with positive sizes, got {shape}")
+        rows, k = _numel(shape[:-1]), shape[-1]
+        raw = raw.get() if hasattr(raw, "get") and not isinstance(raw, np.ndarray) else np.asarray(raw)
+        if raw.dtype != np.uint8:
+            raise ValueError(f"raw must hold uint8 block bytes, got {raw.dtype}")
+        expected = rows * q.row_bytes(k)
+        if raw.size != expected:
+            raise ValueError(f"raw holds {raw.size} bytes; {q.name} {shape} needs {expected}")
+        qs, meta = split_blocks(raw, q, rows, k)
+        meta_off = cls._meta_offset(rows, q.blocks_per_row(k), q)
+        buf = cp.zeros(meta_off + meta.size, dtype=cp.uint8)
+        buf[:qs.size].set(qs.reshape(-1))
+        buf[meta_off:].set(meta.reshape(-1))
+        return cls(buf, q, shape)
+
+    @classmethod
+    def from_float(cls, array, qtype: str | QuantType) -> "QuantTensor":
+        """Quantize float weights with gguf's reference quantizer."""
+        from gguf import quants
+        q = quant_type(qtype) if isinstance(qtype, str) else qtype
+        arr = array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        raw = quants.quantize(arr.reshape(-1, arr.shape[-1]), q.ggml_type)
+        return cls.from_blocks(raw, q, arr.shape)
+
+    @classmethod
+    def from_gguf(cls, tensor) -> "QuantTensor":
+        """From a gguf.ReaderTensor (its shape is in ggml order: k first)."""
+        from ..codegen.quant import QUANT_TYPES
+        name = tensor.tensor_type.name.lower()
+        if name not in QUANT_TYPES:
+            raise ValueError(f"tensor {tensor.name!r} is {name}, which moeforge cannot run yet")
+        shape = tuple(int(s) for s in reversed(list(tensor.shape)))
+        return cls.from_blocks(np.asarray(tensor.data), name, shape)
+
+    # -- back to the host --------------------------------------------------------------------
+    def to_blocks(self) -> np.ndarray:
+        host = self.buffer.get() if hasattr(self.buffer, "get") else np.asarray(self.buffer)
+        qs = host[:self.rows * self.nb * self.quant.qs_bytes].reshape(self.rows, -1)
+        meta = host[self.meta_offset:self.meta_offset + self.rows * self.meta_stride].reshape(self.rows, -1)
+        return join_blocks(qs, meta, self.quant, self.rows, self.k)
+
+    def dequantize(self) -> np.ndarray:
+        from gguf import quants
+        return quants.dequantize(self.to_blocks(), self.quant.ggml_type).reshape(self.shape)

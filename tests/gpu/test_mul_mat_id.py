@@ -1,0 +1,187 @@
+"""MUL_MAT_ID on the GPU, every path against both references (pytest -m gpu)."""
+import numpy as np
+import pytest
+
+from moeforge import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+NMSE_FLOAT = 5e-4     # ggml's bar against float64 on dequantized weights
+NMSE_EMULATED = 1e-10  # against the emulation of the kernels' own integer arithmetic
+
+
+def _setup(rng, qtype, E, m, k, n, top_k, per_slot=False, skew=False):
+    import cupy as cp
+    import moeforge
+    raw = ref.random_blocks(qtype, E * m, k, rng)
+    w = moeforge.QuantTensor.from_blocks(raw, qtype, (E, m, k))
+    xs = (n, top_k, k) if per_slot else (n, k)
+    x = (rng.standard_normal(xs) * rng.uniform(0.1, 3.0)).astype(np.float32)
+    ids = np.stack([rng.choice(E, size=top_k, replace=False) for _ in range(n)]).astype(np.int32)
+    if skew and E > top_k:
+        # half the tokens send their first choice to expert 0; empty experts stay empty
+        hot = rng.random(n) < 0.5
+        for t in np.nonzero(hot)[0]:
+            row = ids[t]
+            if 0 not in row:
+                row[0] = 0
+    return raw, w, x, ids, cp.asarray(x), cp.asarray(ids)
+
+
+def _check(raw, qtype, shape, x, ids, out):
+    emu = ref.mul_mat_id_emulated(raw, qtype, shape, x, ids)
+    flt = ref.mul_mat_id_float(ref.dequantize(raw, qtype, shape), x, ids)
+    got = out.get()
+    assert np.isfinite(got).all(), "unwritten or non-finite outputs"
+    e_emu, e_flt = ref.nmse(got, emu), ref.nmse(got, flt)
+    assert e_emu <= NMSE_EMULATED, f"NMSE vs emulation {e_emu:.3e}"
+    assert e_flt <= NMSE_FLOAT, f"NMSE vs float64 {e_flt:.3e}"
+    return e_emu, e_flt
+
+
+def _choices(qtype, n, top_k):
+    from moeforge.codegen.spec import MmqSpec, MmvqSpec
+    from moeforge.runtime.dispatch import Choice
+    out = []
+    if n <= 8 and n * top_k <= 64:
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=4, rows=r)) for t, r in ((1, 1), (8, 2), (4, 4))]
+    out += [Choice("mmq_id", MmqSpec(qtype, x=8, y=128, warps=8, stages=3, stream_k=True)),
+            Choice("mmq_id", MmqSpec(qtype, x=32, y=64, warps=4, stages=2, stream_k=True)),
+            Choice("mmq_id", MmqSpec(qtype, x=16, y=128, warps=4, stages=3, stream_k=False)),
+            Choice("per_expert", MmqSpec(qtype, x=64, y=64, warps=4, ids=False, stream_k=False))]
+    return out
+
+
+GRID = [
+    # (E, top_k, m, k, n)
+    (8, 2, 96, 256, 1), (8, 1, 72, 160, 2), (32, 4, 200, 288, 7), (32, 4, 64, 512, 8),
+    (8, 8, 80, 96, 9), (128, 8, 128, 256, 16), (32, 2, 136, 224, 33), (128, 8, 64, 256, 128),
+    (32, 4, 48, 352, 511), (8, 2, 40, 64, 4096), (128, 8, 32, 128, 4096),
+]
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("E,top_k,m,k,n", GRID)
+def test_every_path_both_references(rng, qtype, E, top_k, m, k, n):
+    import cupy as cp
+    import moeforge
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, skew=n >= 16)
+    for choice in _choices(qtype, n, top_k):
+        out = cp.full((n, top_k, m), cp.nan, dtype=cp.float32)  # poison: every element must be written
+        moeforge.mul_mat_id(w, xd, idsd, out=out, choice=choice)
+        e_emu, e_flt = _check(raw, qtype, (E, m, k), x, ids, out)
+        print(f"{choice.path:<10} {choice.spec.name:<34} nmse emu {e_emu:.2e} float {e_flt:.2e}")
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n", [1, 5, 8, 40])
+def test_per_slot_activations(rng, qtype, n):
+    """x of shape (n, top_k, k): each chosen expert gets its own row (the down projection)."""
+    import cupy as cp
+    import moeforge
+    E, top_k, m, k = 16, 4, 72, 192
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, per_slot=True)
+    for choice in _choices(qtype, n, top_k):
+        out = cp.full((n, top_k, m), cp.nan, dtype=cp.float32)
+        moeforge.mul_mat_id(w, xd, idsd, out=out, choice=choice)
+        _check(raw, qtype, (E, m, k), x, ids, out)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_default_dispatch_anchor_shape(rng, qtype):
+    import cupy as cp
+    import moeforge
+    E, top_k, m, k = 128, 8, 768, 2048
+    for n in (1, 4, 16, 128, 512):
+        raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k)
+        out = moeforge.mul_mat_id(w, xd, idsd)
+        _check(raw, qtype, (E, m, k), x, ids, out)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_repeated_calls_bitwise_identical(rng, qtype):
+    import cupy as cp
+    import moeforge
+    E, top_k, m, k, n = 64, 8, 192, 512, 300
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, skew=True)
+    for choice in _choices(qtype, n, top_k):
+        first = moeforge.mul_mat_id(w, xd, idsd, choice=choice).get()
+        for _ in range(19):
+            again = moeforge.mul_mat_id(w, xd, idsd, choice=choice).get()
+            assert np.array_equal(first.view(np.uint32), again.view(np.uint32)), choice.spec.name
+
+
+def test_streamk_grid_sizes(rng):
+    """Stream-k over many grid sizes: the fixup must add the right partials to the right
+    tokens whatever the SM count (llama.cpp PR 17089)."""
+    import cupy as cp
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import ops
+    from moeforge.runtime.dispatch import Choice
+    import moeforge
+    qtype, E, top_k, m, k, n = "q4_0", 16, 4, 136, 544, 77
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, skew=True)
+    spec = MmqSpec(qtype, x=16, y=64, warps=4, stages=2, stream_k=True)
+    real = ops.device_info
+    try:
+        for sms in (1, 2, 3, 7, 13, 64, 131, 132, 264):
+            info = dict(real(cp.cuda.Device().id), sm_count=sms)
+            ops.device_info = lambda _dev, info=info: info
+            out = cp.full((n, top_k, m), cp.nan, dtype=cp.float32)
+            moeforge.mul_mat_id(w, xd, idsd, out=out, choice=Choice("mmq_id", spec))
+            _check(raw, qtype, (E, m, k), x, ids, out)
+    finally:
+        ops.device_info = real
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 100])
+def test_mul_mat_dense(rng, qtype, n):
+    import cupy as cp
+    import moeforge
+    m, k = 333, 416
+    raw = ref.random_blocks(qtype, m, k, rng)
+    w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    out = cp.full((n, m), cp.nan, dtype=cp.float32)
+    moeforge.mul_mat(w, cp.asarray(x), out=out)
+    got = out.get()
+    assert np.isfinite(got).all()
+    assert ref.nmse(got, ref.mul_mat_emulated(raw, qtype, (m, k), x)) <= NMSE_EMULATED
+    assert ref.nmse(got, ref.mul_mat_float(ref.dequantize(raw, qtype, (m, k)), x)) <= NMSE_FLOAT
+
+
+def test_quantize_activations_bitwise(rng):
+    import cupy as cp
+    from moeforge.runtime.ops import quantize_activations
+    x = (rng.standard_normal((37, 320)) * 5).astype(np.float32)
+    x[3, :32] = 0.0  # an all-zero block
+    xq, xds, nbp = quantize_activations(cp.asarray(x))
+    q, d, s = ref.quantize_q8_1(x)
+    assert np.array_equal(xq.get(), q)
+    got = xds.get()
+    assert np.array_equal(got[:, :10, 0], d) and np.array_equal(got[:, :10, 1], s)
+    assert not got[:, 10:].any(), "padding blocks must be zero"
+
+
+def test_bad_input_is_a_value_error_before_launch(rng):
+    import cupy as cp
+    import moeforge
+    raw = ref.random_blocks("q4_0", 4 * 64, 128, rng)
+    w = moeforge.QuantTensor.from_blocks(raw, "q4_0", (4, 64, 128))
+    x = cp.ones((3, 128), dtype=cp.float32)
+    ids = cp.zeros((3, 2), dtype=cp.int32)
+    with pytest.raises(ValueError, match="x"):
+        moeforge.mul_mat_id(w, x.astype(cp.float16), ids)
+    with pytest.raises(ValueError, match="x"):
+        moeforge.mul_mat_id(w, np.ones((3, 128), np.float32), ids)
+    with pytest.raises(ValueError, match="k="):
+        moeforge.mul_mat_id(w, cp.ones((3, 96), dtype=cp.float32), ids)
+    with pytest.raises(ValueError, match="ids"):
+        moeforge.mul_mat_id(w, x, ids.astype(cp.int64))
+    with pytest.raises(ValueError, match="ids"):
+        moeforge.mul_mat_id(w, x, cp.full((3, 2), 4, dtype=cp.int32))
+    with pytest.raises(ValueError, match="ids"):
+        moeforge.mul_mat_id(w, x, cp.full((3, 2), -1, dtype=cp.int32))
+    with pytest.raises(ValueError, match="tokens"):
+        moeforge.mul_mat_id(w, x, cp.zeros((4, 2), dtype=cp.int32))
