@@ -105,7 +105,7 @@ def compile_spec(spec: KernelSpec, arch: str, build_dir: Path | None = None) -> 
     source = render(spec)
     key = hashlib.sha256("\0".join([source, arch, *BASE_OPTIONS, nvrtc_version()]).encode()).hexdigest()[:16]
     stem = build_dir / arch / f"{spec.name}.{key}"
-    cubin, meta = stem.with_suffix(".cubin"), stem.with_suffix(".json")
+    cubin, meta, src = (stem.parent / f"{stem.name}{ext}" for ext in (".cubin", ".json", ".cu"))
     if cubin.exists() and meta.exists():
         try:
             info = json.loads(meta.read_text())["kernels"]
@@ -114,7 +114,7 @@ def compile_spec(spec: KernelSpec, arch: str, build_dir: Path | None = None) -> 
             pass  # a damaged entry is rebuilt, never trusted
     binary, log = nvrtc_compile(source, spec.name, arch)
     info = parse_ptxas(log)
-    _atomic_write(stem.with_suffix(".cu"), source.encode())
+    _atomic_write(src, source.encode())
     _atomic_write(cubin, binary)
     _atomic_write(meta, json.dumps({"spec": spec.to_dict(), "arch": arch, "nvrtc": nvrtc_version(),
                                     "kernels": info, "log": log}, indent=1).encode())

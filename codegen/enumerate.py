@@ -8,30 +8,35 @@ from .quant import QuantType
 from .spec import KernelSpec, MmqSpec, MmvqSpec, UtilSpec
 
 MMQ_X = (8, 16, 32, 64, 128)
+MMQ_X_DENSE = (16, 32, 64, 128)   # dense products take the mmq path only past 8 tokens
 MMQ_YW = ((64, 4), (128, 4), (128, 8))
-MMQ_KBLOCKS = (8,)
+MMQ_KBLOCKS = (4, 8)
 MMQ_STAGES = (2, 3)
 MMVQ_TOKENS = (1, 2, 4, 8)
 MMVQ_WARPS = (2, 4, 8)
 MMVQ_ROWS = (1, 2, 4)
+QUANT_X_TOKENS = (1, 2)   # in-kernel quantization pays off only for a few vectors
 FUSED_WARPS = (4,)
 FUSED_ROWS = (1, 2)
 
 
 def mmq_specs(q: QuantType) -> list[MmqSpec]:
     out = []
-    for ids, sk, x, (y, w), kb, st in product((True, False), (True, False), MMQ_X, MMQ_YW,
+    for ids in (True, False):
+        for sk, x, (y, w), kb, st in product((True, False), MMQ_X if ids else MMQ_X_DENSE, MMQ_YW,
                                              MMQ_KBLOCKS, MMQ_STAGES):
-        out.append(MmqSpec(q.name, x=x, y=y, warps=w, kblocks=kb, stages=st, ids=ids, stream_k=sk))
+            out.append(MmqSpec(q.name, x=x, y=y, warps=w, kblocks=kb, stages=st, ids=ids, stream_k=sk))
     return out
 
 
 def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
-    out = [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids)
-           for ids, t, w, r in product((True, False), MMVQ_TOKENS, MMVQ_WARPS, MMVQ_ROWS)]
-    out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias)
-            for ids, act, bias, t, w, r in product((True, False), MmvqSpec.ACTS, (False, True),
-                                                   MMVQ_TOKENS, FUSED_WARPS, FUSED_ROWS)]
+    out = []
+    for ids, t in product((True, False), MMVQ_TOKENS):
+        for qx in (False, True) if t in QUANT_X_TOKENS else (False,):
+            out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, quant_x=qx)
+                    for w, r in product(MMVQ_WARPS, MMVQ_ROWS)]
+            out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias, quant_x=qx)
+                    for act, bias, w, r in product(MmvqSpec.ACTS, (False, True), FUSED_WARPS, FUSED_ROWS)]
     return out
 
 

@@ -63,7 +63,8 @@ class UtilSpec(KernelSpec):
         return "util"
 
     KERNELS: ClassVar[tuple[str, ...]] = (
-        "quantize_q8_1", "route_experts", "streamk_fixup", "gather_rows_q8_1", "scatter_rows",
+        "quantize_q8_1", "route_experts", "prepare_moe", "streamk_fixup", "gather_rows_q8_1",
+        "scatter_rows",
     )
 
 
@@ -144,7 +145,9 @@ class MmvqSpec(KernelSpec):
     tokens: vectors handled per pass (the launch loops when more share an expert),
     warps per block, rows: weight rows per warp (more rows, more loads in flight).
     act: None for a plain product; "silu", "gelu" or "swiglu_oai" for the fused
-    act(gate) * up form, with optional biases on gate and up.
+    act(gate) * up form, with optional biases on gate and up. quant_x: the kernel
+    quantizes the float activations itself into shared memory (one launch instead of
+    two; pays off when few tokens share each block).
     """
     family: ClassVar[str] = "mmvq"
     template: ClassVar[str] = "mmvq.cu.j2"
@@ -155,6 +158,7 @@ class MmvqSpec(KernelSpec):
     ids: bool = True
     act: str | None = None
     bias: bool = False
+    quant_x: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
@@ -167,11 +171,16 @@ class MmvqSpec(KernelSpec):
         fam = "mmvq_id" if self.ids else "mmvq"
         fused = f"-{self.act}" if self.act else ""
         bias = "-bias" if self.bias else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}"
+        qx = "-qx" if self.quant_x else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{qx}"
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    def smem_bytes(self, k: int) -> int:
+        """Dynamic shared memory for activations of width k (quant_x only)."""
+        return self.tokens * (k // 32) * 40 if self.quant_x else 0
 
     def check(self) -> None:
         if not 1 <= self.tokens <= 8:

@@ -1,7 +1,8 @@
 """moeforge: generated, autotuned CUDA kernels for quantized Mixture-of-Experts GGUF models."""
 __version__ = "0.1.0"
 
+from .runtime.fused import gate_up, moe_gate_up  # noqa: E402
 from .runtime.ops import mul_mat, mul_mat_id  # noqa: E402
 from .runtime.tensor import QuantTensor  # noqa: E402
 
-__all__ = ["QuantTensor", "mul_mat", "mul_mat_id", "__version__"]
+__all__ = ["QuantTensor", "mul_mat", "mul_mat_id", "moe_gate_up", "gate_up", "__version__"]

@@ -44,18 +44,20 @@ def floor_us(qtype: str, shape, ids: np.ndarray, bw_gbs: float, cc: str) -> floa
 
 def sweep_choices(qtype: str, shape, n: int):
     """Candidates around the tokens each expert receives (a tuner in miniature)."""
-    from .codegen.enumerate import MMQ_STAGES, MMQ_X, MMQ_YW, MMVQ_ROWS, MMVQ_WARPS
+    from .codegen.enumerate import MMQ_KBLOCKS, MMQ_STAGES, MMQ_X, MMQ_YW, MMVQ_ROWS, MMVQ_WARPS
     from .codegen.spec import MmqSpec, MmvqSpec
     from .runtime.dispatch import MMVQ_MAX_ENTRIES, MMVQ_MAX_TOKENS, Choice
     E, top_k, m, k = shape
     out = []
     if n <= MMVQ_MAX_TOKENS and n * top_k <= MMVQ_MAX_ENTRIES:
         t = min(8, 1 << math.ceil(math.log2(n)))
-        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r)) for w in MMVQ_WARPS for r in MMVQ_ROWS]
+        qxs = (False, True) if t <= 2 else (False,)
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r, quant_x=qx))
+                for w in MMVQ_WARPS for r in MMVQ_ROWS for qx in qxs]
     per = n * top_k / E
     xs = [x for x in MMQ_X if per / 4 <= x <= max(8, per * 2)] or [8]
-    out += [Choice("mmq_id", MmqSpec(qtype, x=x, y=y, warps=w, stages=s, stream_k=sk))
-            for x in xs for (y, w) in MMQ_YW for s in MMQ_STAGES for sk in (True, False)]
+    out += [Choice("mmq_id", MmqSpec(qtype, x=x, y=y, warps=w, kblocks=kb, stages=s, stream_k=sk))
+            for x in xs for (y, w) in MMQ_YW for kb in MMQ_KBLOCKS for s in MMQ_STAGES for sk in (True, False)]
     return out
 
 
@@ -184,12 +186,21 @@ def main(args) -> int:
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape else ANCHOR_SHAPES
     rng = np.random.default_rng()
     rows: list = []
-    for q in parse_types(args.types):
-        for shape in shapes:
-            ns = [int(v) for v in args.n.split(",")] if args.n else ANCHOR_N.get(shape, (1, 16, 128, 1024))
-            run_shape(q.name, shape, ns, args.paths, args.reps, rng, info, bw, rows)
-    shown = best_rows(rows) if args.paths == "sweep" else rows
-    print_table(shown, info, bw)
+    ops = args.ops.split(",")
+    types = [q.name for q in parse_types(args.types)]
+    if "mul_mat_id" in ops:
+        for q in types:
+            for shape in shapes:
+                ns = [int(v) for v in args.n.split(",")] if args.n else ANCHOR_N.get(shape, (1, 16, 128, 1024))
+                run_shape(q, shape, ns, args.paths, args.reps, rng, info, bw, rows)
+    if "gate_up" in ops:
+        from . import bench_fused
+        bench_fused.run(types, args.reps, info, bw, rows, rng)
+    mm = [r for r in rows if "path" in r]
+    if mm:
+        print_table(best_rows(mm) if args.paths == "sweep" else mm, info, bw)
+    if "gate_up" in ops:
+        bench_fused.print_table(rows, bw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": info, "copy_gbs": bw, "rows": rows}, f, indent=1)

@@ -127,3 +127,17 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb))).astype(np.float16)
     blocks[:, :, 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
     return blocks.reshape(rows, nb * q.block_bytes)
+
+
+def activate(g: np.ndarray, u: np.ndarray, act: str) -> np.ndarray:
+    """The fused kernels' activations, in float64."""
+    g, u = g.astype(np.float64), u.astype(np.float64)
+    if act == "silu":
+        return g / (1 + np.exp(-g)) * u
+    if act == "gelu":
+        return 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3))) * u
+    if act == "swiglu_oai":
+        g = np.minimum(g, 7.0)
+        u = np.clip(u, -7.0, 7.0)
+        return g / (1 + np.exp(-1.702 * g)) * (u + 1)
+    raise ValueError(f"unknown activation {act!r}")

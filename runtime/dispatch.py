@@ -32,7 +32,12 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
 
 
 def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
-    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2, ids=ids)
+    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2, ids=ids, quant_x=n <= 2)
+
+
+def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool) -> MmvqSpec:
+    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=1, ids=ids, act=act, bias=bias,
+                    quant_x=n <= 2)
 
 
 def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool = True) -> MmqSpec:

@@ -6,21 +6,30 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..codegen.compile import compile_spec
-from ..codegen.spec import KernelSpec
+from ..codegen.spec import KernelSpec, MmqSpec
 from .device import device_info, require_gpu
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoadedKernel:
     spec: KernelSpec
     function: object       # cupy RawKernel-like callable
     registers: int
-    smem: int              # dynamic shared memory the launch needs
+    smem: int              # dynamic shared memory of a launch, when the spec fixes it
     blocks_per_sm: int     # occupancy from registers, shared memory and threads
+    smem_limit: int        # the device's per-block opt-in maximum
+    _raised: int = 48 * 1024
 
     def __call__(self, grid, args, *, block=None, smem=None, stream=None):
         threads = block or getattr(self.spec, "threads", 256)
-        self.function(grid, (threads,), args, shared_mem=self.smem if smem is None else smem, stream=stream)
+        smem = self.smem if smem is None else smem
+        if smem > self._raised:
+            if smem > self.smem_limit:
+                raise ValueError(f"{self.spec.name} needs {smem} bytes of shared memory; the device allows "
+                                 f"{self.smem_limit}")
+            self.function.max_dynamic_shared_size_bytes = smem
+            self._raised = smem
+        self.function(grid, (threads,), args, shared_mem=smem, stream=stream)
 
 
 def _occupancy(info: dict, regs: int, threads: int, smem: int) -> int:
@@ -50,12 +59,11 @@ def _loaded(spec: KernelSpec, symbol: str, dev: int) -> LoadedKernel:
     module, compiled = _module(spec, dev)
     info = device_info(dev)
     fn = module.get_function(symbol)
-    smem = spec.smem_bytes() if hasattr(spec, "smem_bytes") else 0
+    smem = spec.smem_bytes() if isinstance(spec, MmqSpec) else 0
     if smem > info["smem_per_block_optin"]:
         raise ValueError(f"{spec.name} needs {smem} bytes of shared memory; {info['name']} allows "
                          f"{info['smem_per_block_optin']}")
-    if smem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = smem
     regs = compiled.info.get(symbol, {}).get("registers", 0)
     threads = getattr(spec, "threads", 256)
-    return LoadedKernel(spec, fn, regs, smem, _occupancy(info, regs, threads, smem))
+    return LoadedKernel(spec, fn, regs, smem, _occupancy(info, regs, threads, smem),
+                        info["smem_per_block_optin"])

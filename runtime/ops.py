@@ -95,27 +95,42 @@ def _util(name: str):
     return load(UtilSpec(), name)
 
 
-def quantize_activations(x2d):
-    """float32 (rows, k) -> q8_1 (xq int8 (rows, k), xds float32 (rows, nbp, 2), nbp)."""
-    rows, k = x2d.shape
-    nb = k // 32
-    nbp = _round_up(nb, 32)
+def _x_buffers(rows: int, k: int):
+    nbp = _round_up(k // 32, 32)
     xq = WORKSPACE.get("xq", rows * k, np.int8).reshape(rows, k)
     xds = WORKSPACE.get("xds", rows * nbp * 8, np.float32).reshape(rows, nbp, 2)
-    _util("quantize_q8_1")((rows, -(-nbp // 8)), (x2d, xq, xds, _i32(rows), _i32(k), _i32(nbp)), block=256)
     return xq, xds, nbp
 
 
-def _route(ids, E: int, tile_x: int):
+def _aligned(x2d):
+    """The quantizers read x 16 bytes at a time."""
+    return x2d if x2d.data.ptr % 16 == 0 else x2d.copy()
+
+
+def quantize_activations(x2d):
+    """float32 (rows, k) -> q8_1 (xq int8 (rows, k), xds float32 (rows, nbp, 2), nbp)."""
+    rows, k = x2d.shape
+    xq, xds, nbp = _x_buffers(rows, k)
+    _util("quantize_q8_1")((-(-rows * nbp // 64),), (_aligned(x2d), xq, xds, _i32(rows), _i32(k), _i32(nbp)),
+                           block=512)
+    return xq, xds, nbp
+
+
+def _prepare(ids, E: int, tile_x: int, x2d):
+    """Routing and q8_1 quantization of x in one launch."""
     N = ids.size
+    rows_x, k = x2d.shape
+    xq, xds, nbp = _x_buffers(rows_x, k)
     max_tiles = N // tile_x + min(E, N)
     rows = WORKSPACE.get("rows", N * 4, np.int32)
     tiles = WORKSPACE.get("tiles", max_tiles * 16, np.int32)
     ntt = WORKSPACE.get("ntt", 4, np.int32)
     eoff = WORKSPACE.get("eoff", (E + 1) * 4, np.int32)
-    _util("route_experts")((E,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff),
-                           block=256, smem=(3 * E + 8) * 4)
-    return rows, tiles, ntt, eoff, max_tiles
+    qblocks = -(-rows_x * nbp // 64)
+    _util("prepare_moe")((E + qblocks,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff,
+                                          _aligned(x2d), xq, xds, _i32(rows_x), _i32(k), _i32(nbp)),
+                         block=512, smem=(3 * E + 32) * 4)
+    return (rows, tiles, ntt, eoff, max_tiles), (xq, xds, nbp)
 
 
 def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr: int, m: int,
@@ -147,46 +162,67 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
                                          _i32(spec.kblocks), _i32(grid)), block=256)
 
 
-def _mmvq(spec: MmvqSpec, w: QuantTensor, xq, xds, nbp: int, ids, n_entries: int, x_div: int, out,
-          m: int, up: QuantTensor | None = None, up_off: int = 0, rows_e: int | None = None,
+def mmvq_rows_per_block(spec: MmvqSpec, m: int, n_matrices: int) -> int:
+    """Rows per block: whole row groups, few enough blocks that each SM holds several
+    busy ones but never fewer blocks than SMs can take."""
+    group = spec.warps * spec.rows
+    groups = -(-m // group) * max(1, n_matrices)
+    target = device_info(require_gpu().cuda.Device().id)["sm_count"] * 4
+    return group * max(1, min(-(-m // group), groups // max(1, target)))
+
+
+def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, n_entries: int, x_div: int, out, m: int,
+          up: QuantTensor | None = None, up_off: int = 0, rows_e: int | None = None,
           bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None):
+    """Mat-vec launch. x2d: float32 rows; quantized here first unless the spec does it."""
     kern = load(spec)
-    per_block = spec.warps * spec.rows
-    grid = (-(-m // per_block), n_entries if spec.ids else 1)
+    k = w.k
+    if spec.quant_x:
+        xq = xds = None
+        nbp = _round_up(k // 32, 32)
+        x2d = _aligned(x2d)
+    else:
+        xq, xds, nbp = quantize_activations(x2d)
+    n_mat = min(w.n_experts, n_entries) if spec.ids else 1
+    rpb = mmvq_rows_per_block(spec, m, n_mat)
+    grid = (-(-m // rpb), n_entries if spec.ids else 1)
     wu = up if up is not None else w
     ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
     args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), np.uint64(wu.qs_ptr()), np.uint64(wu.meta_ptr()),
             _i32(rows_e if rows_e is not None else w.m), _i32(up_off),
-            ptr(bias_g), ptr(bias_u), _i32(bias_e),
-            xq, xds, _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
-            ptr(ids), _i32(n_entries), ptr(entry_scale), out, _i32(m))
-    kern(grid, args)
+            ptr(bias_g), ptr(bias_u), _i32(bias_e), ptr(x2d), ptr(xq), ptr(xds),
+            _i32(k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
+            ptr(ids), _i32(n_entries), ptr(entry_scale), out, _i32(m), _i32(rpb))
+    kern(grid, args, smem=spec.smem_bytes(k))
 
 
 # -- the products -------------------------------------------------------------------------
-def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice) -> None:
-    """No validation: callers (mul_mat_id, the model runtime, the tuner) have done it."""
+def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights=None) -> None:
+    """No validation: callers (mul_mat_id, the model runtime, the tuner) have done it.
+    weights (n, top_k) float32, optional: each entry's row is multiplied by its weight."""
     E, m, k = w.shape
     n, top_k = ids.shape
-    N = n * top_k
     x_div = top_k if x.ndim == 2 else 1
-    xq, xds, nbp = quantize_activations(x.reshape(-1, k))
+    x2d = x.reshape(-1, k)
     spec = choice.spec
     if choice.path == "mmvq":
-        _mmvq(spec, w, xq, xds, nbp, ids, N, x_div, out, m)
+        _mmvq(spec, w, x2d, ids, n * top_k, x_div, out, m, entry_scale=weights)
+        return
     elif choice.path == "mmq_id":
-        rows, tiles, ntt, _, max_tiles = _route(ids, E, spec.x)
+        (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d)
         _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, rows, tiles, ntt, max_tiles, 0, x_div)
     elif choice.path == "per_expert":
-        _per_expert(spec, w, xq, xds, nbp, ids, x_div, out)
+        _per_expert(spec, w, x2d, ids, x_div, out)
     else:
         raise ValueError(f"unknown path {choice.path!r}")
+    if weights is not None:
+        out *= weights[:, :, None]
 
 
-def _per_expert(spec: MmqSpec, w: QuantTensor, xq, xds, nbp: int, ids, x_div: int, out) -> None:
+def _per_expert(spec: MmqSpec, w: QuantTensor, x2d, ids, x_div: int, out) -> None:
     E, m, k = w.shape
     N = ids.size
-    rows, _, _, eoff, _ = _route(ids, E, spec.x)
+    (rows, _, _, eoff, _), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d)
     xq_s = WORKSPACE.get("xq_sorted", N * k, np.int8)
     xds_s = WORKSPACE.get("xds_sorted", N * nbp * 8, np.float32)
     out_s = WORKSPACE.get("out_sorted", N * m * 4, np.float32)
@@ -203,9 +239,10 @@ def _per_expert(spec: MmqSpec, w: QuantTensor, xq, xds, nbp: int, ids, x_div: in
     _util("scatter_rows")((N,), (out_s, rows, _i32(N), _i32(m), out), block=256)
 
 
-def mul_mat_id(w: QuantTensor, x, ids, *, out=None, choice: dispatch.Choice | None = None):
+def mul_mat_id(w: QuantTensor, x, ids, *, weights=None, out=None, choice: dispatch.Choice | None = None):
     """ggml's MUL_MAT_ID. w: QuantTensor (E, m, k); x: float32 (n, k) or (n, top_k, k);
-    ids: int32 (n, top_k) in [0, E). Returns float32 (n, top_k, m)."""
+    ids: int32 (n, top_k) in [0, E). Returns float32 (n, top_k, m). weights (n, top_k),
+    optional: the router's weights, applied to each entry's row (the down projection)."""
     cp = require_gpu("mul_mat_id")
     _check_weights(w, 3)
     E, m, k = w.shape
@@ -219,6 +256,10 @@ def mul_mat_id(w: QuantTensor, x, ids, *, out=None, choice: dispatch.Choice | No
         raise ValueError(f"x has k={x.shape[-1]}, w has k={k}")
     if x.ndim == 3 and x.shape[1] != top_k:
         raise ValueError(f"x is (n, {x.shape[1]}, k) but ids chooses top_k={top_k} experts")
+    if weights is not None:
+        weights = _device_array(weights, "weights", np.float32, (2,), dev)
+        if weights.shape != ids.shape:
+            raise ValueError(f"weights has shape {weights.shape}, ids {ids.shape}")
     shape = (n, top_k, m)
     out = _check_out(out, shape, dev) if out is not None else cp.empty(shape, dtype=cp.float32)
     if n == 0 or top_k == 0:
@@ -227,17 +268,17 @@ def mul_mat_id(w: QuantTensor, x, ids, *, out=None, choice: dispatch.Choice | No
     if lo < 0 or hi >= E:
         raise ValueError(f"ids holds values in [{lo}, {hi}], outside [0, {E}) for w with {E} experts")
     choice = choice or dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n)
-    run_mul_mat_id(w, x, ids, out, choice)
+    run_mul_mat_id(w, x, ids, out, choice, weights=weights)
     return out
 
 
 def run_mul_mat(w: QuantTensor, x, out, choice: dispatch.Choice) -> None:
     m, k = w.shape
     n = x.shape[0]
-    xq, xds, nbp = quantize_activations(x)
     if choice.path == "mmvq":
-        _mmvq(choice.spec, w, xq, xds, nbp, None, n, 1, out, m)
+        _mmvq(choice.spec, w, x, None, n, 1, out, m)
     elif choice.path == "mmq":
+        xq, xds, nbp = quantize_activations(x)
         _mmq(choice.spec, w, 0, xq, xds, nbp, out.data.ptr, m, None, None, None,
              -(-n // choice.spec.x), n, 1)
     else:

@@ -44,8 +44,11 @@ def _choices(qtype, n, top_k):
     from moeforge.runtime.dispatch import Choice
     out = []
     if n <= 8 and n * top_k <= 64:
-        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=4, rows=r)) for t, r in ((1, 1), (8, 2), (4, 4))]
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r, quant_x=qx))
+                for t, w, r, qx in ((1, 4, 1, False), (8, 4, 2, False), (4, 2, 4, False), (2, 8, 1, True),
+                                    (1, 4, 2, True))]
     out += [Choice("mmq_id", MmqSpec(qtype, x=8, y=128, warps=8, stages=3, stream_k=True)),
+            Choice("mmq_id", MmqSpec(qtype, x=8, y=64, warps=4, kblocks=4, stages=2, stream_k=False)),
             Choice("mmq_id", MmqSpec(qtype, x=32, y=64, warps=4, stages=2, stream_k=True)),
             Choice("mmq_id", MmqSpec(qtype, x=16, y=128, warps=4, stages=3, stream_k=False)),
             Choice("per_expert", MmqSpec(qtype, x=64, y=64, warps=4, ids=False, stream_k=False))]
@@ -185,3 +188,16 @@ def test_bad_input_is_a_value_error_before_launch(rng):
         moeforge.mul_mat_id(w, x, cp.full((3, 2), -1, dtype=cp.int32))
     with pytest.raises(ValueError, match="tokens"):
         moeforge.mul_mat_id(w, x, cp.zeros((4, 2), dtype=cp.int32))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n", [1, 6, 33])
+def test_router_weights_scale_each_entry(rng, qtype, n):
+    import cupy as cp
+    import moeforge
+    E, top_k, m, k = 16, 4, 64, 256
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, per_slot=True)
+    wts = rng.random((n, top_k)).astype(np.float32)
+    out = moeforge.mul_mat_id(w, xd, idsd, weights=cp.asarray(wts))
+    emu = ref.mul_mat_id_emulated(raw, qtype, (E, m, k), x, ids) * wts[:, :, None]
+    assert ref.nmse(out.get(), emu) <= NMSE_EMULATED

@@ -1,0 +1,120 @@
+"""Fused act(gate) * up mat-vec kernels (decoding, 1..8 tokens), against both references."""
+import numpy as np
+import pytest
+
+from moeforge import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+NMSE_FLOAT = 5e-4
+NMSE_EMULATED = 1e-10
+SHAPES = [(8, 1, 40, 96), (32, 4, 200, 288), (128, 8, 72, 256), (16, 2, 33, 160), (64, 8, 96, 512)]
+
+
+def _weights(rng, qtype, E, n_ff, k, merged):
+    import moeforge
+    if merged:
+        raw = ref.random_blocks(qtype, E * 2 * n_ff, k, rng)
+        return raw, None, dict(gate_up=moeforge.QuantTensor.from_blocks(raw, qtype, (E, 2 * n_ff, k)))
+    rg, ru = ref.random_blocks(qtype, E * n_ff, k, rng), ref.random_blocks(qtype, E * n_ff, k, rng)
+    return rg, ru, dict(gate=moeforge.QuantTensor.from_blocks(rg, qtype, (E, n_ff, k)),
+                        up=moeforge.QuantTensor.from_blocks(ru, qtype, (E, n_ff, k)))
+
+
+def _expected(qtype, E, n_ff, k, rg, ru, x, ids, act, bg, bu, emulated):
+    def prod(raw, rows):
+        if emulated:
+            return ref.mul_mat_id_emulated(raw, qtype, (E, rows, k), x, ids)
+        return ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, rows, k)), x, ids)
+    if ru is None:
+        both = prod(rg, 2 * n_ff)
+        g, u = both[..., :n_ff], both[..., n_ff:]
+    else:
+        g, u = prod(rg, n_ff), prod(ru, n_ff)
+    if bg is not None:
+        g = g + bg[ids]
+        u = u + bu[ids]
+    return ref.activate(g, u, act)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("merged", [True, False])
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_moe_gate_up(rng, qtype, act, bias, merged, n):
+    import cupy as cp
+    import moeforge
+    from moeforge.codegen.spec import MmvqSpec
+    E, top_k, n_ff, k = SHAPES[(n + len(act) + 2 * bias + merged) % len(SHAPES)]
+    rg, ru, w = _weights(rng, qtype, E, n_ff, k, merged)
+    x = (rng.standard_normal((n, k)) * 2).astype(np.float32)
+    ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(n)]).astype(np.int32)
+    bg = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32) if bias else None
+    bu = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32) if bias else None
+    b = dict(gate_bias=cp.asarray(bg), up_bias=cp.asarray(bu)) if bias else {}
+    emu = _expected(qtype, E, n_ff, k, rg, ru, x, ids, act, bg, bu, True)
+    flt = _expected(qtype, E, n_ff, k, rg, ru, x, ids, act, bg, bu, False)
+    t = min(8, 1 << (n - 1).bit_length())
+    for spec in (None, MmvqSpec(qtype, tokens=t, warps=4, rows=2, act=act, bias=bias, quant_x=n <= 2),
+                 MmvqSpec(qtype, tokens=1, warps=4, rows=1, act=act, bias=bias)):
+        out = cp.full((n, top_k, n_ff), cp.nan, dtype=cp.float32)
+        moeforge.moe_gate_up(cp.asarray(x), cp.asarray(ids), act=act, out=out, spec=spec, **w, **b)
+        got = out.get()
+        assert np.isfinite(got).all()
+        assert ref.nmse(got, emu) <= NMSE_EMULATED, (spec, ref.nmse(got, emu))
+        assert ref.nmse(got, flt) <= NMSE_FLOAT
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n", [1, 3, 8, 20])
+@pytest.mark.parametrize("merged", [True, False])
+def test_dense_gate_up(rng, qtype, n, merged):
+    import cupy as cp
+    import moeforge
+    n_ff, k = 136, 224
+    rg, ru, w = _weights(rng, qtype, 1, n_ff, k, merged)
+    w = {key: moeforge.QuantTensor(t.buffer, t.quant, t.shape[1:]) for key, t in w.items()}
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    ids = np.zeros((n, 1), dtype=np.int32)
+    emu = _expected(qtype, 1, n_ff, k, rg, ru, x, ids, "silu", None, None, True)[:, 0]
+    out = moeforge.gate_up(cp.asarray(x), act="silu", **w)
+    assert ref.nmse(out.get(), emu) <= (NMSE_EMULATED if n <= 8 else 1e-9)
+
+
+def test_fused_is_bitwise_repeatable(rng):
+    import cupy as cp
+    import moeforge
+    rg, ru, w = _weights(rng, "q4_0", 32, 96, 256, True)
+    x = cp.asarray(rng.standard_normal((4, 256)).astype(np.float32))
+    ids = cp.asarray(np.stack([rng.choice(32, 4, replace=False) for _ in range(4)]).astype(np.int32))
+    first = moeforge.moe_gate_up(x, ids, act="silu", **w).get()
+    for _ in range(19):
+        assert np.array_equal(first, moeforge.moe_gate_up(x, ids, act="silu", **w).get())
+
+
+def test_fused_refuses_foreign_memory_and_bad_shapes(rng):
+    """A fused call never turns a host tensor or a shape mismatch into an illegal access."""
+    import cupy as cp
+    import moeforge
+    from moeforge.runtime.tensor import QuantTensor
+    rg, ru, w = _weights(rng, "q4_0", 8, 64, 128, False)
+    x = cp.asarray(rng.standard_normal((2, 128)).astype(np.float32))
+    ids = cp.asarray(np.array([[0, 1], [2, 3]], dtype=np.int32))
+    host_up = QuantTensor(w["up"].buffer.get(), w["up"].quant, w["up"].shape)  # offloaded to the host
+    with pytest.raises(ValueError, match="up lives in host memory"):
+        moeforge.moe_gate_up(x, ids, gate=w["gate"], up=host_up)
+    small = moeforge.QuantTensor.from_blocks(ref.random_blocks("q4_0", 8 * 32, 128, rng), "q4_0", (8, 32, 128))
+    with pytest.raises(ValueError, match="must agree"):
+        moeforge.moe_gate_up(x, ids, gate=w["gate"], up=small)
+    q8 = moeforge.QuantTensor.from_blocks(ref.random_blocks("q8_0", 8 * 64, 128, rng), "q8_0", (8, 64, 128))
+    with pytest.raises(ValueError, match="must agree"):
+        moeforge.moe_gate_up(x, ids, gate=w["gate"], up=q8)
+    with pytest.raises(ValueError, match="k="):
+        moeforge.moe_gate_up(cp.ones((2, 96), dtype=cp.float32), ids, **w)
+    with pytest.raises(ValueError, match="gate_bias"):
+        moeforge.moe_gate_up(x, ids, gate_bias=cp.zeros((8, 63), cp.float32), up_bias=cp.zeros((8, 64), cp.float32), **w)
+    with pytest.raises(ValueError, match="either gate_up"):
+        moeforge.moe_gate_up(x, ids, gate=w["gate"])
+    with pytest.raises(ValueError, match="act"):
+        moeforge.moe_gate_up(x, ids, act="relu", **w)
