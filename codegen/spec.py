@@ -183,6 +183,7 @@ class MmvqSpec(KernelSpec):
         return self.tokens * (k // 32) * 40 if self.quant_x else 0
 
     def check(self) -> None:
+        self.quant  # noqa: B018 - an unknown type raises here
         if not 1 <= self.tokens <= 8:
             raise ValueError(f"{self.name}: tokens must be in [1, 8]")
         if self.warps not in (1, 2, 4, 8):

@@ -1,0 +1,40 @@
+import subprocess
+import sys
+
+
+def _moeforge(*args):
+    return subprocess.run([sys.executable, "-m", "moeforge.cli", *args], capture_output=True, text=True)
+
+
+def test_bench_without_gpu_says_so():
+    r = _moeforge("bench", "--n", "1")
+    assert r.returncode == 2
+    assert "no CUDA device" in r.stderr
+
+
+def test_generate_rejects_unknown_arch_and_type():
+    r = _moeforge("generate", "--arch", "sm_99")
+    assert r.returncode == 2 and "sm_99" in r.stderr
+    r = _moeforge("generate", "--types", "q3_x")
+    assert r.returncode != 0 and "q3_x" in r.stderr
+
+
+def test_generate_command_reuses_the_cache(generated):
+    """The command over a build directory that already holds every instance: all cache
+    hits (the compilation itself is checked by the codegen test that filled it)."""
+    build_dir, _, _ = generated
+    r = _moeforge("generate", "--types", "q8_0", "--arch", "sm_86", "--out", str(build_dir), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "sm_86" in r.stdout and "q8_0" in r.stdout
+    total = [line for line in r.stdout.splitlines() if line.endswith(str(build_dir))][0]
+    n, cached = total.split()[0], total.split("(")[1].split()[0]
+    assert n == cached and int(n) > 100
+
+
+def test_products_without_gpu_raise_a_clear_error():
+    import numpy as np
+    import pytest
+    import moeforge
+    from moeforge.runtime.device import NoGPUError
+    with pytest.raises(NoGPUError, match="CUDA device"):
+        moeforge.mul_mat_id(None, np.zeros((1, 32), np.float32), np.zeros((1, 1), np.int32))

@@ -1,0 +1,92 @@
+import json
+
+import pytest
+
+from moeforge.codegen.compile import ARCHS, compile_spec, parse_ptxas
+from moeforge.codegen.enumerate import all_specs
+from moeforge.codegen.quant import parse_types
+from moeforge.codegen.render import render, templates_hash
+from moeforge.codegen.spec import KernelSpec, MmqSpec, MmvqSpec, UtilSpec
+
+SPECS = all_specs(parse_types("all"))
+
+
+def test_names_are_unique_and_deterministic():
+    names = [s.name for s in SPECS]
+    assert len(names) == len(set(names))
+    assert MmqSpec("q4_0", x=64, y=128, warps=8).name == "mmq_id-q4_0-x64y128w8k8s2-sk"
+    assert MmvqSpec("q8_0", tokens=2, act="swiglu_oai", bias=True, quant_x=True).name == \
+        "mmvq_id-q8_0-t2w4r1-swiglu_oai-bias-qx"
+    assert all(s.symbol.isidentifier() for s in SPECS)
+
+
+def test_specs_round_trip_through_dicts():
+    for s in SPECS[:: max(1, len(SPECS) // 60)]:
+        assert KernelSpec.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+@pytest.mark.parametrize("bad", [
+    dict(family="mmq", qtype="q4_0", x=12, y=128, warps=4),
+    dict(family="mmq", qtype="q4_0", x=16, y=96, warps=4),
+    dict(family="mmq", qtype="q4_0", x=16, y=64, warps=4, stages=5),
+    dict(family="mmvq", qtype="q8_0", tokens=9),
+    dict(family="mmvq", qtype="q8_0", bias=True),
+    dict(family="mmvq", qtype="q9_0"),
+    dict(family="nope"),
+    dict(family="mmq", qtype="q4_0", x=16, y=64, warps=4, tile=3),
+])
+def test_invalid_specs_are_refused(bad):
+    with pytest.raises(ValueError):
+        KernelSpec.from_dict(bad)
+
+
+def test_every_instance_renders_with_its_symbol():
+    for s in SPECS:
+        src = render(s)
+        if isinstance(s, UtilSpec):
+            assert all(f" {k}(" in src for k in UtilSpec.KERNELS)
+        else:
+            assert f" {s.symbol}(" in src
+
+
+def test_mmq_layout_is_aligned():
+    for s in SPECS:
+        if isinstance(s, MmqSpec):
+            lay = s.layout()
+            assert all(v % 16 == 0 for v in lay.values()), s.name
+            assert s.smem_bytes() == lay["stage"] * s.stages
+
+
+def test_ptxas_log_parsing():
+    log = ("ptxas info    : Compiling entry function 'k1' for 'sm_90'\n"
+           "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 96 registers, used 1 barriers, 260 bytes smem\n")
+    assert parse_ptxas(log) == {"k1": {"registers": 96, "spill_stores": 4, "spill_loads": 12,
+                                       "stack": 8, "smem": 260}}
+
+
+def test_compile_cache_is_keyed_by_source(tmp_path):
+    a = MmvqSpec("q4_0", tokens=1)
+    first = compile_spec(a, "sm_90", tmp_path)
+    assert not first.cached and first.cubin.stat().st_size > 0
+    assert first.info[a.symbol]["registers"] > 0
+    again = compile_spec(a, "sm_90", tmp_path)
+    assert again.cached and again.cubin == first.cubin
+    other = compile_spec(MmvqSpec("q4_0", tokens=2), "sm_90", tmp_path)
+    assert other.cubin != first.cubin
+    # a damaged entry is rebuilt, never trusted
+    meta = first.cubin.parent / first.cubin.name.replace(".cubin", ".json")
+    meta.write_text("{not json")
+    rebuilt = compile_spec(a, "sm_90", tmp_path)
+    assert not rebuilt.cached
+    assert len(templates_hash()) == 16
+
+
+def test_generate_compiles_every_instance_for_every_arch(generated):
+    """The whole space, four architectures, NVRTC only (no GPU, no toolkit)."""
+    build_dir, summary, table = generated
+    assert summary["failures"] == [], summary["failures"][:3]
+    assert summary["total"] == len(SPECS) * len(ARCHS)
+    for arch in ARCHS:
+        assert len(list((build_dir / arch).glob("*.cubin"))) == len(SPECS)
+    assert "instances" in table and "sm_90" in table
