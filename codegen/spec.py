@@ -180,7 +180,7 @@ class MmvqSpec(KernelSpec):
 
     def smem_bytes(self, k: int) -> int:
         """Dynamic shared memory for activations of width k (quant_x only)."""
-        return self.tokens * (k // 32) * 40 if self.quant_x else 0
+        return self.tokens * _pad16((k // 32) * 40) if self.quant_x else 0
 
     def check(self) -> None:
         self.quant  # noqa: B018 - an unknown type raises here
