@@ -9,13 +9,12 @@ from .spec import KernelSpec, MmqSpec, MmvqSpec, UtilSpec
 
 MMQ_X = (8, 16, 32, 64, 128)
 MMQ_X_DENSE = (16, 32, 64, 128)   # dense products take the mmq path only past 8 tokens
-MMQ_YW = ((64, 4), (128, 4), (128, 8))
-MMQ_KBLOCKS = (4, 8)
+MMQ_YW = ((64, 4), (96, 3), (96, 6), (128, 4), (128, 8))
+MMQ_KBLOCKS = (8, 16)
 MMQ_STAGES = (2, 3)
 MMVQ_TOKENS = (1, 2, 4, 8)
 MMVQ_WARPS = (2, 4, 8)
 MMVQ_ROWS = (1, 2, 4)
-QUANT_X_TOKENS = (1, 2)   # in-kernel quantization pays off only for a few vectors
 FUSED_WARPS = (4,)
 FUSED_ROWS = (1, 2)
 
@@ -23,8 +22,9 @@ FUSED_ROWS = (1, 2)
 def mmq_specs(q: QuantType) -> list[MmqSpec]:
     out = []
     for ids in (True, False):
-        for sk, x, (y, w), kb, st in product((True, False), MMQ_X if ids else MMQ_X_DENSE, MMQ_YW,
-                                             MMQ_KBLOCKS, MMQ_STAGES):
+        # dense tiles are regular: their imbalance is only the last wave, which stream-k removes
+        for sk, x, (y, w), kb, st in product((True, False) if ids else (True,), MMQ_X if ids else MMQ_X_DENSE,
+                                             MMQ_YW, MMQ_KBLOCKS, MMQ_STAGES):
             out.append(MmqSpec(q.name, x=x, y=y, warps=w, kblocks=kb, stages=st, ids=ids, stream_k=sk))
     return out
 
@@ -32,11 +32,9 @@ def mmq_specs(q: QuantType) -> list[MmqSpec]:
 def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     out = []
     for ids, t in product((True, False), MMVQ_TOKENS):
-        for qx in (False, True) if t in QUANT_X_TOKENS else (False,):
-            out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, quant_x=qx)
-                    for w, r in product(MMVQ_WARPS, MMVQ_ROWS)]
-            out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias, quant_x=qx)
-                    for act, bias, w, r in product(MmvqSpec.ACTS, (False, True), FUSED_WARPS, FUSED_ROWS)]
+        out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids) for w, r in product(MMVQ_WARPS, MMVQ_ROWS)]
+        out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias)
+                for act, bias, w, r in product(MmvqSpec.ACTS, (False, True), FUSED_WARPS, FUSED_ROWS)]
     return out
 
 

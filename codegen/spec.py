@@ -142,12 +142,10 @@ class MmqSpec(KernelSpec):
 class MmvqSpec(KernelSpec):
     """Quantized mat-vec for 1..8 token vectors: every weight row read once per launch.
 
-    tokens: vectors handled per pass (the launch loops when more share an expert),
+    tokens: vectors per block (the routing tiles hold at most this many),
     warps per block, rows: weight rows per warp (more rows, more loads in flight).
     act: None for a plain product; "silu", "gelu" or "swiglu_oai" for the fused
-    act(gate) * up form, with optional biases on gate and up. quant_x: the kernel
-    quantizes the float activations itself into shared memory (one launch instead of
-    two; pays off when few tokens share each block).
+    act(gate) * up form, with optional biases on gate and up.
     """
     family: ClassVar[str] = "mmvq"
     template: ClassVar[str] = "mmvq.cu.j2"
@@ -158,7 +156,6 @@ class MmvqSpec(KernelSpec):
     ids: bool = True
     act: str | None = None
     bias: bool = False
-    quant_x: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
@@ -171,16 +168,11 @@ class MmvqSpec(KernelSpec):
         fam = "mmvq_id" if self.ids else "mmvq"
         fused = f"-{self.act}" if self.act else ""
         bias = "-bias" if self.bias else ""
-        qx = "-qx" if self.quant_x else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{qx}"
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}"
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
-
-    def smem_bytes(self, k: int) -> int:
-        """Dynamic shared memory for activations of width k (quant_x only)."""
-        return self.tokens * _pad16((k // 32) * 40) if self.quant_x else 0
 
     def check(self) -> None:
         self.quant  # noqa: B018 - an unknown type raises here

@@ -46,14 +46,13 @@ def sweep_choices(qtype: str, shape, n: int):
     """Candidates around the tokens each expert receives (a tuner in miniature)."""
     from .codegen.enumerate import MMQ_KBLOCKS, MMQ_STAGES, MMQ_X, MMQ_YW, MMVQ_ROWS, MMVQ_WARPS
     from .codegen.spec import MmqSpec, MmvqSpec
-    from .runtime.dispatch import MMVQ_MAX_ENTRIES, MMVQ_MAX_TOKENS, Choice
+    from .runtime.dispatch import MMVQ_MAX_TOKENS, Choice
     E, top_k, m, k = shape
     out = []
-    if n <= MMVQ_MAX_TOKENS and n * top_k <= MMVQ_MAX_ENTRIES:
+    if n <= MMVQ_MAX_TOKENS:
         t = min(8, 1 << math.ceil(math.log2(n)))
-        qxs = (False, True) if t <= 2 else (False,)
-        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r, quant_x=qx))
-                for w in MMVQ_WARPS for r in MMVQ_ROWS for qx in qxs]
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=tt, warps=w, rows=r))
+                for tt in sorted({t, max(1, t // 2)}) for w in MMVQ_WARPS for r in MMVQ_ROWS]
     per = n * top_k / E
     xs = [x for x in MMQ_X if per / 4 <= x <= max(8, per * 2)] or [8]
     out += [Choice("mmq_id", MmqSpec(qtype, x=x, y=y, warps=w, kblocks=kb, stages=s, stream_k=sk))
@@ -73,7 +72,7 @@ def _choices(mode: str, qtype: str, shape, n: int):
     paths = dispatch.PATHS if mode == "all" else tuple(mode.split(","))
     out = []
     for p in paths:
-        if p == "mmvq" and (n > dispatch.MMVQ_MAX_TOKENS or n * top_k > dispatch.MMVQ_MAX_ENTRIES):
+        if p == "mmvq" and n > dispatch.MMVQ_MAX_TOKENS:
             continue
         if p == default.path:
             out.append(default)

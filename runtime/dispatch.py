@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from ..codegen.spec import KernelSpec, MmqSpec, MmvqSpec
 
 PATHS = ("mmvq", "mmq_id", "per_expert")
-MMVQ_MAX_TOKENS = 8
-MMVQ_MAX_ENTRIES = 64   # the mat-vec kernel groups at most this many (token, slot) entries
+MMVQ_MAX_TOKENS = 8     # past this the int8 tensor-core tiles win
 
 
 @dataclass(frozen=True)
@@ -32,12 +31,11 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
 
 
 def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
-    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2, ids=ids, quant_x=n <= 2)
+    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2, ids=ids)
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool) -> MmvqSpec:
-    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=1, ids=ids, act=act, bias=bias,
-                    quant_x=n <= 2)
+    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=1, ids=ids, act=act, bias=bias)
 
 
 def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool = True) -> MmqSpec:
@@ -55,7 +53,7 @@ def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) ->
     found = lookup("mul_mat_id", qtype, (E, top_k, m, k), n)
     if found is not None:
         return found
-    if n <= MMVQ_MAX_TOKENS and n * top_k <= MMVQ_MAX_ENTRIES:
+    if n <= MMVQ_MAX_TOKENS:
         return Choice("mmvq", default_mmvq(qtype, n, ids=True))
     return Choice("mmq_id", default_mmq(qtype, n * top_k / E, ids=True))
 

@@ -114,9 +114,9 @@ def moe_gate_up(x, ids, *, gate_up: QuantTensor | None = None, gate: QuantTensor
 def run_moe_gate_up(o: "_Operands", ids, out, act: str, spec: MmvqSpec | None = None) -> None:
     """The launches of moe_gate_up, on validated operands (graph-capturable for n <= 8)."""
     n, top_k = ids.shape
-    if n <= dispatch.MMVQ_MAX_TOKENS and n * top_k <= dispatch.MMVQ_MAX_ENTRIES:
+    if n <= dispatch.MMVQ_MAX_TOKENS:
         spec = spec or dispatch.default_fused(o.gate.qtype, n, act, o.bias_g is not None, ids=True)
-        _mmvq(spec, o.gate, o.x, ids, n * top_k, top_k, out, o.n_ff, up=o.up, up_off=o.up_off,
+        _mmvq(spec, o.gate, o.x, ids, top_k, out, o.n_ff, up=o.up, up_off=o.up_off,
               rows_e=o.rows_e, bias_g=o.bias_g, bias_u=o.bias_u, bias_e=o.n_ff)
         return
     # Larger batches: grouped GEMMs and the activation on their outputs.
@@ -142,7 +142,7 @@ def gate_up(x, *, gate_up: QuantTensor | None = None, gate: QuantTensor | None =
         return out
     if n <= dispatch.MMVQ_MAX_TOKENS:
         spec = spec or dispatch.default_fused(ops_.gate.qtype, n, act, ops_.bias_g is not None, ids=False)
-        _mmvq(spec, ops_.gate, ops_.x, None, n, 1, out, ops_.n_ff, up=ops_.up, up_off=ops_.up_off,
+        _mmvq(spec, ops_.gate, ops_.x, None, 1, out, ops_.n_ff, up=ops_.up, up_off=ops_.up_off,
               rows_e=ops_.rows_e, bias_g=ops_.bias_g, bias_u=ops_.bias_u, bias_e=ops_.n_ff)
         return out
     g, u = _split_products(ops_, None, experts=False)

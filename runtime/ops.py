@@ -162,38 +162,29 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
                                          _i32(spec.kblocks), _i32(grid)), block=256)
 
 
-def mmvq_rows_per_block(spec: MmvqSpec, m: int, n_matrices: int) -> int:
-    """Rows per block: whole row groups, few enough blocks that each SM holds several
-    busy ones but never fewer blocks than SMs can take."""
-    group = spec.warps * spec.rows
-    groups = -(-m // group) * max(1, n_matrices)
-    target = device_info(require_gpu().cuda.Device().id)["sm_count"] * 4
-    return group * max(1, min(-(-m // group), groups // max(1, target)))
-
-
-def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, n_entries: int, x_div: int, out, m: int,
+def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
           up: QuantTensor | None = None, up_off: int = 0, rows_e: int | None = None,
           bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None):
-    """Mat-vec launch. x2d: float32 rows; quantized here first unless the spec does it."""
+    """Mat-vec launch after one preparing launch: with ids, routing into tiles of at most
+    spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only."""
     kern = load(spec)
-    k = w.k
-    if spec.quant_x:
-        xq = xds = None
-        nbp = _round_up(k // 32, 32)
-        x2d = _aligned(x2d)
+    if spec.ids:
+        (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, w.n_experts, spec.tokens, x2d)
+        n_dense = 0
     else:
         xq, xds, nbp = quantize_activations(x2d)
-    n_mat = min(w.n_experts, n_entries) if spec.ids else 1
-    rpb = mmvq_rows_per_block(spec, m, n_mat)
-    grid = (-(-m // rpb), n_entries if spec.ids else 1)
+        rows = tiles = ntt = None
+        n_dense = x2d.shape[0]
+        max_tiles = -(-n_dense // spec.tokens)
     wu = up if up is not None else w
     ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
+    grid = (-(-m // (spec.warps * spec.rows)), max_tiles)
     args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), np.uint64(wu.qs_ptr()), np.uint64(wu.meta_ptr()),
             _i32(rows_e if rows_e is not None else w.m), _i32(up_off),
-            ptr(bias_g), ptr(bias_u), _i32(bias_e), ptr(x2d), ptr(xq), ptr(xds),
-            _i32(k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
-            ptr(ids), _i32(n_entries), ptr(entry_scale), out, _i32(m), _i32(rpb))
-    kern(grid, args, smem=spec.smem_bytes(k))
+            ptr(bias_g), ptr(bias_u), _i32(bias_e), xq, xds,
+            _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
+            ptr(rows), ptr(tiles), ptr(ntt), _i32(n_dense), ptr(entry_scale), out, _i32(m))
+    kern(grid, args)
 
 
 # -- the products -------------------------------------------------------------------------
@@ -206,7 +197,7 @@ def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights
     x2d = x.reshape(-1, k)
     spec = choice.spec
     if choice.path == "mmvq":
-        _mmvq(spec, w, x2d, ids, n * top_k, x_div, out, m, entry_scale=weights)
+        _mmvq(spec, w, x2d, ids, x_div, out, m, entry_scale=weights)
         return
     elif choice.path == "mmq_id":
         (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d)
@@ -276,7 +267,7 @@ def run_mul_mat(w: QuantTensor, x, out, choice: dispatch.Choice) -> None:
     m, k = w.shape
     n = x.shape[0]
     if choice.path == "mmvq":
-        _mmvq(choice.spec, w, x, None, n, 1, out, m)
+        _mmvq(choice.spec, w, x, None, 1, out, m)
     elif choice.path == "mmq":
         xq, xds, nbp = quantize_activations(x)
         _mmq(choice.spec, w, 0, xq, xds, nbp, out.data.ptr, m, None, None, None,

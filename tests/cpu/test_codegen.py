@@ -15,8 +15,7 @@ def test_names_are_unique_and_deterministic():
     names = [s.name for s in SPECS]
     assert len(names) == len(set(names))
     assert MmqSpec("q4_0", x=64, y=128, warps=8).name == "mmq_id-q4_0-x64y128w8k8s2-sk"
-    assert MmvqSpec("q8_0", tokens=2, act="swiglu_oai", bias=True, quant_x=True).name == \
-        "mmvq_id-q8_0-t2w4r1-swiglu_oai-bias-qx"
+    assert MmvqSpec("q8_0", tokens=2, act="swiglu_oai", bias=True).name == "mmvq_id-q8_0-t2w4r1-swiglu_oai-bias"
     assert all(s.symbol.isidentifier() for s in SPECS)
 
 

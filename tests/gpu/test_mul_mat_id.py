@@ -43,12 +43,12 @@ def _choices(qtype, n, top_k):
     from moeforge.codegen.spec import MmqSpec, MmvqSpec
     from moeforge.runtime.dispatch import Choice
     out = []
-    if n <= 8 and n * top_k <= 64:
-        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r, quant_x=qx))
-                for t, w, r, qx in ((1, 4, 1, False), (8, 4, 2, False), (4, 2, 4, False), (2, 8, 1, True),
-                                    (1, 4, 2, True))]
+    if n <= 8:
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r))
+                for t, w, r in ((1, 4, 1), (8, 4, 2), (4, 2, 4), (2, 8, 1), (1, 8, 4))]
     out += [Choice("mmq_id", MmqSpec(qtype, x=8, y=128, warps=8, stages=3, stream_k=True)),
-            Choice("mmq_id", MmqSpec(qtype, x=8, y=64, warps=4, kblocks=4, stages=2, stream_k=False)),
+            Choice("mmq_id", MmqSpec(qtype, x=8, y=96, warps=3, kblocks=16, stages=2, stream_k=False)),
+            Choice("mmq_id", MmqSpec(qtype, x=16, y=96, warps=6, kblocks=8, stages=3, stream_k=True)),
             Choice("mmq_id", MmqSpec(qtype, x=32, y=64, warps=4, stages=2, stream_k=True)),
             Choice("mmq_id", MmqSpec(qtype, x=16, y=128, warps=4, stages=3, stream_k=False)),
             Choice("per_expert", MmqSpec(qtype, x=64, y=64, warps=4, ids=False, stream_k=False))]
