@@ -26,8 +26,19 @@ def _resolve(target: str):
     return getattr(importlib.import_module(mod), attr)
 
 
+def _watch_parent(ppid: int) -> None:
+    """A killed parent never closes our pipe while we are busy in a kernel or a sleep;
+    leave as soon as we are orphaned instead of holding the GPU."""
+    import time
+    while os.getppid() == ppid:
+        time.sleep(0.5)
+    os._exit(0)
+
+
 def _child_main(conn, target: str, env: dict) -> None:
+    import threading
     os.environ.update(env)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     handler = _resolve(target)()
     while True:
         try:

@@ -4,7 +4,8 @@ profile writing, the CLI) run and be tested where there is no GPU.
 
 Environment (for tests): MOEFORGE_STANDIN_SLEEP seconds per trial (so a worker can be killed
 mid-trial), MOEFORGE_STANDIN_LOG a file that gets one "start"/"end" line per evaluation
-(appended with O_APPEND, so lines from many processes never interleave).
+(appended with O_APPEND, so lines from many processes never interleave),
+MOEFORGE_STANDIN_WRONG a spec-name fragment whose candidates give a wrong result.
 """
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ class Handler:
             time.sleep(3600)
         if op == "wrong":
             raise GateFailure("NMSE vs the emulating reference 1.000e+00 > 1e-10")
+        wrong = os.environ.get("MOEFORGE_STANDIN_WRONG")
+        if wrong:
+            from ..codegen.spec import KernelSpec
+            if wrong in KernelSpec.from_dict(req["spec"]).name:
+                raise GateFailure(f"NMSE vs the emulating reference 3.2e-03 > 1e-10 (stand-in: {wrong})")
         _log("start", req)
         time.sleep(float(os.environ.get("MOEFORGE_STANDIN_SLEEP", "0")))
         v = value(req["path"], req["spec"])

@@ -134,9 +134,9 @@ class StudyRun:
         except TrialFailed as e:
             trial.set_user_attr("fail_reason", str(e)[:1000])
             raise
-        for k, v in res.items():
-            if k != "value" and isinstance(v, (int, float)):
-                trial.set_user_attr(k, float(v))
+        # One attribute, one commit: the measurements beside the value.
+        trial.set_user_attr("result", {k: float(v) for k, v in res.items()
+                                       if k != "value" and isinstance(v, (int, float))})
         return float(res["value"])
 
     def _duplicate(self, number: int, params: dict):
@@ -144,7 +144,8 @@ class StudyRun:
         for t in self.study.get_trials(deepcopy=False):
             if t.number == number or _frozen(t.params) != want or "duplicate_of" in t.user_attrs:
                 continue
-            if measured(t) or t.state == TrialState.RUNNING:
+            # Of two workers that drew the same candidate at once, the older trial goes on.
+            if measured(t) or (t.state == TrialState.RUNNING and t.number < number):
                 return t
         return None
 
@@ -318,5 +319,5 @@ def result(storage, fp: dict, key: TuneKey, smem_limit: int) -> Result | None:
         best = dtrial
     res.best_us = best.value
     res.choice = space.lookup(dict(best.params))
-    res.attrs = {k: v for k, v in best.user_attrs.items() if k in ("us_random", "us_skewed")}
+    res.attrs = {k: v for k, v in best.user_attrs.get("result", {}).items() if k in ("us_random", "us_skewed")}
     return res
