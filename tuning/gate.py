@@ -60,8 +60,8 @@ def check_rows(m: int, rng: np.random.Generator, tile_edges=(64, 128)) -> np.nda
 def check_tokens(n: int, rng: np.random.Generator) -> np.ndarray:
     if n <= MAX_TOKENS:
         return np.arange(n, dtype=np.int64)
-    picked = set(rng.choice(n, size=MAX_TOKENS - 2, replace=False).tolist()) | {0, n - 1}
-    return np.array(sorted(picked), dtype=np.int64)
+    inner = rng.choice(np.arange(1, n - 1), size=MAX_TOKENS - 2, replace=False)
+    return np.array(sorted([0, n - 1, *inner.tolist()]), dtype=np.int64)
 
 
 @dataclass

@@ -11,7 +11,8 @@ def _us(v) -> str:
     return f"{v:.2f}" if v else "-"
 
 
-def table(results, out=sys.stdout) -> None:
+def table(results, out=None) -> None:
+    out = out or sys.stdout
     groups = defaultdict(list)
     for r in results:
         groups[(r.key.op, r.key.qtype, r.key.shape)].append(r)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import warnings
 from pathlib import Path
 
@@ -50,12 +51,22 @@ def make_storage(url: str, heartbeat: int = HEARTBEAT_S, grace: int = GRACE_S) -
         engine = {"pool_pre_ping": True}
     cb = Retry()
     kw = dict(heartbeat_interval=heartbeat, grace_period=grace)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # heartbeat options are flagged experimental
+    for attempt in range(5):
+        # Workers started together race to create the tables of a new database; the loser
+        # of that race sees an integrity error and simply tries again.
         try:
-            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_stale_trial_callback=cb, **kw)
-        except TypeError:   # Optuna < 4.9 names the callback differently
-            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, failed_trial_callback=cb, **kw)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # heartbeat options are flagged experimental
+                try:
+                    storage = optuna.storages.RDBStorage(url, engine_kwargs=engine,
+                                                         heartbeat_stale_trial_callback=cb, **kw)
+                except TypeError:   # Optuna < 4.9 names the callback differently
+                    storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, failed_trial_callback=cb, **kw)
+            break
+        except Exception as e:  # noqa: BLE001 - sqlalchemy's errors vary by driver
+            if attempt == 4 or "IntegrityError" not in type(e).__name__ + repr(e):
+                raise
+            time.sleep(0.5 + attempt)
     if url.startswith("sqlite:///"):
         _sqlite_fast(storage)
     return storage
