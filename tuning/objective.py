@@ -48,7 +48,9 @@ class Case:
             if settings.cold:
                 info = device_info(cp.cuda.Device().id)
                 free = cp.cuda.runtime.memGetInfo()[0]
-                copies = math.ceil(4 * info["l2_bytes"] / max(1, w0.nbytes))
+                # At least two copies: at small n a call touches a few experts, which would
+                # otherwise stay in L2 from one call to the next, as they never do in a model.
+                copies = max(2, math.ceil(4 * info["l2_bytes"] / max(1, w0.nbytes)))
                 copies = max(1, min(settings.max_copies, copies, int(0.25 * free // max(1, w0.nbytes))))
             ws = [w0] + [QuantTensor(w0.buffer.copy(), w0.quant, w0.shape) for _ in range(copies - 1)]
             weights = (raw, ws)

@@ -64,7 +64,8 @@ def make_storage(url: str, heartbeat: int = HEARTBEAT_S, grace: int = GRACE_S) -
                     storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, failed_trial_callback=cb, **kw)
             break
         except Exception as e:  # noqa: BLE001 - sqlalchemy's errors vary by driver
-            if attempt == 4 or "IntegrityError" not in type(e).__name__ + repr(e):
+            text = type(e).__name__ + repr(e)
+            if attempt == 4 or not ("IntegrityError" in text or "already exists" in text):
                 raise
             time.sleep(0.5 + attempt)
     if url.startswith("sqlite:///"):

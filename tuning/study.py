@@ -259,6 +259,7 @@ def run_workers(task: Task, gpus: list[str] | None) -> None:
         run_task(task)
         return
     import multiprocessing as mp
+    make_storage(task.storage_url, task.heartbeat, task.grace)   # the tables exist before the race
     ctx = mp.get_context("spawn")
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     mapping = parent_visible.split(",") if parent_visible else None

@@ -122,3 +122,17 @@ def test_bad_arguments_are_usage_errors(args, msg, capsys, tmp_path):
     rc = main(["tune", "--objective", "standin", "--profile-dir", str(tmp_path), *args])
     assert rc == 2
     assert msg in capsys.readouterr().err
+
+
+def test_one_worker_process_per_gpu_share_the_studies(tmp_path, monkeypatch):
+    """--gpus starts one worker process per GPU; with the stand-in they share each study."""
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MOEFORGE_STANDIN_SLEEP", "0.1")
+    rc = main(["tune", "--objective", "standin", "--shape", th.SHAPE, "--types", "q4_0", "--n", "512",
+               "--trials", "16", "--gpus", "0,1", "--profile-dir", str(tmp_path / "prof"), "--quiet"])
+    assert rc == 0
+    study = th.the_study(paths.default_storage_url())
+    measured = [t for t in study.get_trials() if th.measured(t)]
+    assert 16 <= len(measured) <= 17
+    assert len({t.user_attrs["worker"] for t in measured}) == 2
+    assert list((tmp_path / "prof").glob("*.yaml"))
