@@ -63,7 +63,7 @@ class Case:
         for kind in kinds:
             sets = []
             for i in range(settings.input_sets):
-                x = (rng.standard_normal((n, k)) * rng.uniform(0.2, 3.0)).astype(np.float32)
+                x = rng.standard_normal((n, k), dtype=np.float32) * np.float32(rng.uniform(0.2, 3.0))
                 ids = gate.routing(kind, n, E, top_k, rng)
                 if i == 0:
                     self.refs[kind] = gate.reference(self.raw, key.qtype, self.wshape, x, ids,
