@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 import pg
 import tune_helpers as th
 
-BUDGET = 24
+BUDGET = 40
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,9 @@ def test_server_is_real(postgres):
 
 def test_workers_share_a_study_and_recover_a_killed_worker(postgres, tmp_path):
     log = tmp_path / "evaluations.log"
+    # m=256 leaves ~100 candidates at n=512, more than the budget: the budget ends the study
     argv = th.tune_argv(tmp_path / "prof", "--trials", str(BUDGET), "--storage", postgres.url,
-                        "--heartbeat", "1", "--grace", "3")
+                        "--heartbeat", "1", "--grace", "3", shape="8,2,256,256")
     # The victim's trials take a minute, so it is surely mid-trial when it is killed.
     victim = th.start(argv, th.env(tmp_path / "c0", sleep=60, log=log), tmp_path / "w0.log")
     workers = [th.start(argv, th.env(tmp_path / f"c{i}", sleep=0.15, log=log), tmp_path / f"w{i}.log")

@@ -12,8 +12,8 @@ from optuna.trial import TrialState
 SHAPE = "8,2,64,256"
 
 
-def tune_argv(profile_dir, *extra) -> list[str]:
-    return [sys.executable, "-m", "moeforge.cli", "tune", "--objective", "standin", "--shape", SHAPE,
+def tune_argv(profile_dir, *extra, shape=SHAPE) -> list[str]:
+    return [sys.executable, "-m", "moeforge.cli", "tune", "--objective", "standin", "--shape", shape,
             "--types", "q4_0", "--n", "512", "--profile-dir", str(profile_dir), "--quiet", *extra]
 
 
@@ -58,8 +58,9 @@ def wait_for(pred, timeout: float, what: str, step: float = 0.1):
 
 
 def running_of(study: optuna.Study, pid: int):
+    """The trial `pid` is evaluating (its parameters drawn and its candidate sent off)."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if f":{pid}:" in t.user_attrs.get("worker", ""):
+        if f":{pid}:" in t.user_attrs.get("worker", "") and "spec" in t.user_attrs:
             return t
     return None
 
