@@ -176,6 +176,11 @@ def _safe_url(url: str) -> str:
     return url
 
 
+def _usable(budget: float) -> float:
+    """The part of a time budget that trials may use (the rest writes the results)."""
+    return max(budget - RESERVE_S, 0.9 * budget)
+
+
 def cmd_tune(args) -> int:
     try:
         keys = _keys(args, ops=(args.op,))
@@ -185,7 +190,7 @@ def cmd_tune(args) -> int:
     trials = args.trials
     if trials is None and args.time_budget is None:
         trials = DEFAULT_TRIALS
-    deadline = time.time() + args.time_budget - RESERVE_S if args.time_budget else None
+    deadline = time.time() + _usable(args.time_budget) if args.time_budget else None
     return run_tuning(args, keys, deadline, trials, "tune")
 
 
@@ -210,7 +215,7 @@ def cmd_generate_and_tune(args) -> int:
     keys = _keys(args)
     # The whole command has args.time_budget seconds: what generate used is gone, and the
     # rest is split evenly over the studies, each passing on what it leaves unused.
-    deadline = t0 + args.time_budget - RESERVE_S
+    deadline = t0 + _usable(args.time_budget)
     return run_tuning(args, keys, deadline, None, "generate-and-tune")
 
 
@@ -338,7 +343,7 @@ def cmd_profile(args) -> int:
 def _common(p, budget_default=None) -> None:
     p.add_argument("--storage", default=None,
                    help="Optuna storage URL (default: SQLite in the user cache); postgresql://... to share "
-                        "studies between workers on many hosts")
+                        "studies between workers on many hosts (pip install 'moeforge[postgres]')")
     p.add_argument("--gpus", default=None, help="one worker process per GPU, e.g. 0,1 (default: this process, GPU 0)")
     p.add_argument("--profile-dir", default=None,
                    help="where profiles live (default: $MOEFORGE_PROFILE_DIR, else the user cache)")
