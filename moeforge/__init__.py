@@ -4,5 +4,9 @@ __version__ = "0.1.0"
 from .runtime.fused import gate_up, moe_gate_up  # noqa: E402
 from .runtime.ops import mul_mat, mul_mat_id  # noqa: E402
 from .runtime.tensor import QuantTensor  # noqa: E402
+from .tuning import activate as _activate  # noqa: E402
+
+# Dispatch asks this for the per-GPU profile; it reads nothing until the first product runs.
+_activate.install()
 
 __all__ = ["QuantTensor", "mul_mat", "mul_mat_id", "moe_gate_up", "gate_up", "__version__"]

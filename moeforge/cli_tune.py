@@ -1,6 +1,399 @@
-"""CLI commands of the tuner (tune, generate-and-tune, profile). Filled in by the tuner
-work; `add_commands` registers them on the main parser."""
+"""CLI commands of the tuner: `tune`, `generate-and-tune`, `profile list|show|path|export|import`.
+
+Exit codes: 0 done, 1 something failed (compile failures, an invalid profile), 2 a usage
+error or no CUDA device where one is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+GENERATE_AND_TUNE_BUDGET_S = 600.0
+# Kept back from the budget for loading the studies, writing the profile and the table.
+RESERVE_S = 15.0
+DEFAULT_TRIALS = 30
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def _no_gpu(cmd: str) -> int:
+    _err(f"moeforge {cmd}: no CUDA device found; tuning measures kernels on a GPU and cannot run here "
+         f"(`moeforge generate` compiles without one)")
+    return 2
+
+
+def _standin_fingerprint() -> dict:
+    from . import __version__
+    from .codegen.render import templates_hash
+    return {"gpu": "moeforge stand-in objective (no GPU)", "cc": "0.0", "sm_count": 1, "memory_gib": 0.0,
+            "driver": "none", "cuda_runtime": "none", "nvrtc": "none", "moeforge": __version__,
+            "templates": templates_hash()}
+
+
+def _keys(args, ops=("mul_mat_id",)) -> list:
+    """TuneKeys from --model/--shape/--types/--n; ValueError with a user message."""
+    from .codegen.quant import parse_types
+    from .tuning.shapes import DEFAULT_SET, NAMED, model_shapes, parse_shape
+    from .tuning.space import ANCHOR_N, BUCKETS, TuneKey
+    types = None
+    if getattr(args, "model", None):
+        shapes, model_types = model_shapes(args.model)
+        from .codegen.quant import QUANT_TYPES
+        types = [t for t in model_types if t in QUANT_TYPES]
+        if not types and not args.types:
+            raise ValueError(f"{args.model}: its expert tensors are {', '.join(model_types) or 'absent'}; "
+                             f"moeforge tunes {', '.join(QUANT_TYPES)} (pass --types to tune those anyway)")
+    elif getattr(args, "shape", None):
+        shapes = [parse_shape(s) for s in args.shape]
+    else:
+        shapes = [NAMED[s] for s in DEFAULT_SET]
+    if args.types:
+        types = [q.name for q in parse_types(args.types)]
+    types = types or ["q4_0", "q8_0"]
+    ns = ANCHOR_N
+    if getattr(args, "n", None):
+        try:
+            ns = tuple(int(v) for v in args.n.split(",") if v.strip())
+        except ValueError:
+            raise ValueError(f"--n {args.n!r}: expected comma-separated integers") from None
+        bad = [n for n in ns if n not in BUCKETS]
+        if bad or not ns:
+            raise ValueError(f"--n: token buckets are powers of two from 1 to {BUCKETS[-1]}; got {bad or 'none'}")
+    keys = []
+    for op in ops:
+        for q in types:
+            for s in shapes:
+                shape = s if op == "mul_mat_id" else (1, 1, s[2], s[3])
+                keys += [TuneKey(op, q, shape, n) for n in ns]
+    return sorted(set(keys))
+
+
+def _save_profile(fp: dict, results, profile_dir) -> Path | None:
+    from .tuning import activate
+    from .tuning.profile import Entry, Profile, ProfileError, file_name, load, save
+    path = Path(profile_dir) / file_name(fp)
+    prof = Profile(dict(fp))
+    if path.exists():
+        try:
+            prof = load(path)
+        except ProfileError as e:
+            keep = path.with_name(path.name + f".corrupt-{int(time.time())}")
+            path.replace(keep)
+            _err(f"moeforge tune: the existing profile was corrupt ({'; '.join(e.problems[:3])}); "
+                 f"moved it to {keep} and wrote a new one")
+            prof = Profile(dict(fp))
+    n = 0
+    for r in results:
+        if r.choice is None or not r.default_us:
+            continue   # nothing measured, or the default was not: no entry is better than a guess
+        extra = {"default_spec": _default_name(r.key), "trials": r.trials}
+        extra.update({k: round(float(v), 3) for k, v in r.attrs.items()})
+        prof.put(Entry(r.key, r.choice.path, r.choice.spec, r.best_us, r.default_us, extra))
+        n += 1
+    if not n:
+        return None
+    prof.created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    save(prof, path)
+    activate.reset()
+    return path
+
+
+def _default_name(key) -> str:
+    from .tuning.space import default_choice
+    return default_choice(key).spec.name
+
+
+def run_tuning(args, keys, deadline: float | None, trials: int | None, cmd: str) -> int:
+    from .tuning import paths, report, study
+    from .tuning.space import DEFAULT_SMEM_LIMIT
+    from .tuning.storage import make_storage
+    standin = getattr(args, "objective", "gpu") == "standin"
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if getattr(args, "gpus", None) else None
+    if standin:
+        if not args.profile_dir:
+            _err(f"moeforge {cmd}: the stand-in objective needs --profile-dir (its profile is not for a real GPU)")
+            return 2
+        fp, smem = _standin_fingerprint(), DEFAULT_SMEM_LIMIT
+    else:
+        from .runtime.device import device_info, has_gpu
+        from .tuning import fingerprint as fpmod
+        if not has_gpu():
+            return _no_gpu(cmd)
+        fp = fpmod.current()
+        if gpus:
+            for g in gpus:
+                try:
+                    other = fpmod.current(int(g))
+                except Exception as e:
+                    _err(f"moeforge {cmd}: --gpus {g}: {e}")
+                    return 2
+                if fpmod.ident(other) != fpmod.ident(fp):
+                    _err(f"moeforge {cmd}: --gpus mixes GPUs ({fpmod.describe(fpmod.differences(fp, other))}); "
+                         f"a study and a profile belong to one kind of GPU")
+                    return 2
+        smem = device_info()["smem_per_block_optin"]
+    url = args.storage or paths.default_storage_url()
+    task = study.Task(keys=keys, storage_url=url, fingerprint=fp, smem_limit=smem, trials=trials,
+                      deadline=deadline, objective="standin" if standin else "gpu",
+                      trial_timeout=args.trial_timeout, progress=not args.quiet,
+                      heartbeat=getattr(args, "heartbeat", None) or study.HEARTBEAT_S,
+                      grace=getattr(args, "grace", None) or study.GRACE_S)
+    print(f"moeforge {cmd}: {len(keys)} studies ({_budget_text(trials, deadline)}) in {_safe_url(url)}",
+          file=sys.stderr)
+    study.run_workers(task, gpus)
+    storage = make_storage(url, task.heartbeat, task.grace)
+    results = [r for r in (study.result(storage, fp, k, smem) for k in keys) if r is not None]
+    report.table(results)
+    path = _save_profile(fp, results, paths.profile_dir(args.profile_dir))
+    print(f"\nprofile: {path}" if path else "\nno profile written: no study measured its default yet")
+    if getattr(args, "plot", None):
+        try:
+            report.plot(results, args.plot)
+            print(f"plot: {args.plot}")
+        except report.PlotUnavailable as e:
+            _err(f"moeforge {cmd}: {e}")
+    return 0
+
+
+def _budget_text(trials, deadline) -> str:
+    parts = []
+    if trials:
+        parts.append(f"{trials} trials each")
+    if deadline:
+        parts.append(f"{deadline - time.time():.0f} s in all")
+    return ", ".join(parts) or "no budget"
+
+
+def _safe_url(url: str) -> str:
+    """Never print a database password."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
+def _usable(budget: float) -> float:
+    """The part of a time budget that trials may use (the rest writes the results)."""
+    return max(budget - RESERVE_S, 0.9 * budget)
+
+
+def cmd_tune(args) -> int:
+    try:
+        keys = _keys(args, ops=(args.op,))
+    except ValueError as e:
+        _err(f"moeforge tune: {e}")
+        return 2
+    trials = args.trials
+    if trials is None and args.time_budget is None:
+        trials = DEFAULT_TRIALS
+    deadline = time.time() + _usable(args.time_budget) if args.time_budget else None
+    return run_tuning(args, keys, deadline, trials, "tune")
+
+
+def cmd_generate_and_tune(args) -> int:
+    from .codegen.compile import ARCHS
+    from .codegen.generate import generate
+    from .codegen.quant import parse_types
+    from .runtime.device import device_info, has_gpu
+    t0 = time.time()
+    gpu = has_gpu()
+    archs = (device_info()["arch"],) if gpu else ARCHS
+    if gpu and archs[0] not in ARCHS:
+        _err(f"moeforge generate-and-tune: this GPU is {archs[0]}; moeforge builds for {', '.join(ARCHS)}")
+        return 2
+    summary = generate(parse_types("q4_0,q8_0"), archs, progress=not args.quiet, out=sys.stdout)
+    if summary["failures"]:
+        _err(f"moeforge generate-and-tune: {len(summary['failures'])} instances failed to compile; "
+             f"their trials will fail and never be chosen")
+    if not gpu and args.objective != "standin":
+        return _no_gpu("generate-and-tune")
+    args.model, args.shape, args.types, args.n = None, None, "q4_0,q8_0", None
+    keys = _keys(args)
+    # The whole command has args.time_budget seconds: what generate used is gone, and the
+    # rest is split evenly over the studies, each passing on what it leaves unused.
+    deadline = t0 + _usable(args.time_budget)
+    return run_tuning(args, keys, deadline, None, "generate-and-tune")
+
+
+# -- profiles -----------------------------------------------------------------------------
+def _current_fp():
+    from .runtime.device import has_gpu
+    from .tuning import fingerprint as fpmod
+    return fpmod.current() if has_gpu() else None
+
+
+def _find(name: str | None, profile_dir) -> Path | None:
+    from .tuning import paths
+    from .tuning.profile import file_name
+    if name is None:
+        fp = _current_fp()
+        if fp is None:
+            return None
+        from .tuning.activate import candidate_files, resolve
+        prof = resolve(fp, candidate_files(paths.profile_dir(profile_dir)), warn=_err)
+        return Path(prof.source) if prof else paths.profile_dir(profile_dir) / file_name(fp)
+    p = Path(name)
+    if p.exists():
+        return p
+    for cand in [paths.profile_dir(profile_dir) / name, paths.profile_dir(profile_dir) / f"{name}.yaml",
+                 *[s for s in paths.shipped_profiles() if s.name in (name, f"{name}.yaml")]]:
+        if cand.exists():
+            return cand
+    return p
+
+
+def cmd_profile(args) -> int:
+    from .tuning import fingerprint as fpmod
+    from .tuning import paths
+    from .tuning.activate import candidate_files
+    from .tuning.profile import ProfileError, file_name, load, save
+    pdir = paths.profile_dir(args.profile_dir)
+    if args.action == "path":
+        fp = _current_fp()
+        if fp is None:
+            print(pdir)
+            _err("moeforge profile path: no CUDA device found; printed the profile directory")
+            return 0
+        print(pdir / file_name(fp))
+        return 0
+    if args.action == "list":
+        here = _current_fp()
+        files = candidate_files(pdir)
+        if not files:
+            print(f"no profiles in {pdir} and none shipped")
+            return 0
+        for f in files:
+            try:
+                p = load(f)
+            except ProfileError as e:
+                print(f"{f}\n    CORRUPT: {'; '.join(e.problems[:3])}")
+                continue
+            fp = p.fingerprint
+            status = ""
+            if here is not None:
+                v, diffs = fpmod.verdict(fp, here)
+                status = {"match": "  [this GPU]", "soft": "  [this GPU, other software: used with a warning]",
+                          "refuse": ""}[v]
+            print(f"{f}{status}\n    {fp['gpu']} (cc {fp['cc']}, {fp['sm_count']} SMs, {fp['memory_gib']} GiB), "
+                  f"driver {fp['driver']}, CUDA {fp['cuda_runtime']}, NVRTC {fp['nvrtc']}, moeforge {fp['moeforge']}, "
+                  f"templates {fp['templates']}: {len(p.entries)} entries")
+        return 0
+    if args.action == "show":
+        target = _find(args.target, args.profile_dir)
+        if target is None:
+            _err("moeforge profile show: no CUDA device found; name a profile file (see `moeforge profile list`)")
+            return 2
+        try:
+            p = load(target)
+        except ProfileError as e:
+            _err(f"moeforge profile show: {e}")
+            return 1
+        print(f"{target}\nfingerprint:")
+        for k, v in p.fingerprint.items():
+            print(f"  {k}: {v}")
+        print(f"\n{'op':<10} {'type':<5} {'E,top_k,m,k':<18} {'n':>5} {'path':<10} {'us':>9} {'default':>9} "
+              f"{'speedup':>7}  spec")
+        for key in sorted(p.entries):
+            e = p.entries[key]
+            print(f"{key.op:<10} {key.qtype:<5} {','.join(map(str, key.shape)):<18} {key.n:>5} {e.path:<10} "
+                  f"{e.us:>9.2f} {e.default_us:>9.2f} {e.speedup:>6.2f}x  {e.spec.name}")
+        return 0
+    if args.action == "export":
+        src = _find(getattr(args, "source", None), args.profile_dir)
+        if src is None:
+            _err("moeforge profile export: no CUDA device found; name the profile with --from")
+            return 2
+        try:
+            p = load(src)
+        except ProfileError as e:
+            _err(f"moeforge profile export: {e}")
+            return 1
+        save(p, args.file)
+        print(f"exported {src} -> {args.file}")
+        return 0
+    if args.action == "import":
+        try:
+            p = load(args.file)   # validated exactly as any profile the runtime reads
+        except ProfileError as e:
+            _err(f"moeforge profile import: refused: {e}")
+            return 1
+        dest = pdir / file_name(p.fingerprint)
+        if dest.exists() and not args.force:
+            _err(f"moeforge profile import: {dest} exists; pass --force to replace it")
+            return 1
+        save(p, dest)
+        from .tuning import activate
+        activate.reset()
+        print(f"imported {args.file} -> {dest} ({len(p.entries)} entries)")
+        here = _current_fp()
+        if here is not None:
+            v, diffs = fpmod.verdict(p.fingerprint, here)
+            if v != "match":
+                _err(f"note: this profile is for another setup ({fpmod.describe(diffs)}); "
+                     f"{'it will be used with a warning' if v == 'soft' else 'it will not be used on this GPU'}")
+        return 0
+    return 2
+
+
+# -- parser -------------------------------------------------------------------------------
+def _common(p, budget_default=None) -> None:
+    p.add_argument("--storage", default=None,
+                   help="Optuna storage URL (default: SQLite in the user cache); postgresql://... to share "
+                        "studies between workers on many hosts (pip install 'moeforge[postgres]')")
+    p.add_argument("--gpus", default=None, help="one worker process per GPU, e.g. 0,1 (default: this process, GPU 0)")
+    p.add_argument("--profile-dir", default=None,
+                   help="where profiles live (default: $MOEFORGE_PROFILE_DIR, else the user cache)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw tuned vs default against n (needs matplotlib)")
+    p.add_argument("--trial-timeout", type=float, default=120.0, help="seconds before a candidate is killed")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    # For tests and CI on machines without a GPU: the same driver with a CPU objective.
+    p.add_argument("--objective", choices=("gpu", "standin"), default="gpu", help=argparse.SUPPRESS)
+    p.add_argument("--heartbeat", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--grace", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def add_commands(sub) -> None:
-    return None
+    t = sub.add_parser("tune", help="tune kernels for this GPU and write its profile (needs a GPU)")
+    src = t.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="a GGUF MoE model: its expert shapes and quant types")
+    src.add_argument("--shape", action="append", default=None,
+                     help="qwen3-30b-a3b, deepseek-v2-lite, gpt-oss-20b or E,top_k,m,k (repeatable; "
+                          "default: those three)")
+    t.add_argument("--types", default=None, help="quant types, comma separated (default: q4_0,q8_0)")
+    t.add_argument("--op", choices=("mul_mat_id", "mul_mat"), default="mul_mat_id")
+    t.add_argument("--n", default=None, help="token buckets, powers of two (default: 1,4,8,...,4096)")
+    t.add_argument("--trials", type=int, default=None,
+                   help=f"measured trials per bucket (default {DEFAULT_TRIALS} unless --time-budget is given)")
+    t.add_argument("--time-budget", type=float, default=None, help="seconds for the whole command")
+    _common(t)
+    t.set_defaults(func=cmd_tune)
+
+    g = sub.add_parser("generate-and-tune",
+                       help="compile for this GPU, tune the default shapes for q4_0 and q8_0, write the profile")
+    g.add_argument("--time-budget", type=float, default=GENERATE_AND_TUNE_BUDGET_S,
+                   help=f"seconds for everything, compilation included (default {GENERATE_AND_TUNE_BUDGET_S:.0f})")
+    _common(g)
+    g.set_defaults(func=cmd_generate_and_tune)
+
+    p = sub.add_parser("profile", help="list, show, locate, export or import per-GPU profiles")
+    ps = p.add_subparsers(dest="action", required=True)
+    for name, helptext in (("list", "every profile and whether it fits this GPU"),
+                           ("show", "the entries of a profile (default: this GPU's)"),
+                           ("path", "where this GPU's profile is (or would be) written"),
+                           ("export", "copy a profile (default: this GPU's) to FILE"),
+                           ("import", "validate FILE and install it as its GPU's profile")):
+        a = ps.add_parser(name, help=helptext)
+        a.add_argument("--profile-dir", default=None)
+        if name == "show":
+            a.add_argument("target", nargs="?", default=None, help="a profile file or name")
+        if name == "export":
+            a.add_argument("file")
+            a.add_argument("--from", dest="source", default=None, help="a profile file or name")
+        if name == "import":
+            a.add_argument("file")
+            a.add_argument("--force", action="store_true", help="replace an existing profile")
+        a.set_defaults(func=cmd_profile)

@@ -51,8 +51,11 @@ def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool = 
 def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
     from .profiles_hook import lookup
     found = lookup("mul_mat_id", qtype, (E, top_k, m, k), n)
-    if found is not None:
-        return found
+    return found if found is not None else default_mul_mat_id(qtype, E, top_k, m, k, n)
+
+
+def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
+    """The choice without any profile: the tuner's baseline, enqueued first."""
     if n <= MMVQ_MAX_TOKENS:
         return Choice("mmvq", default_mmvq(qtype, n, ids=True))
     return Choice("mmq_id", default_mmq(qtype, n * top_k / E, ids=True))
@@ -61,8 +64,10 @@ def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) ->
 def choose_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:
     from .profiles_hook import lookup
     found = lookup("mul_mat", qtype, (1, 1, m, k), n)
-    if found is not None:
-        return found
+    return found if found is not None else default_mul_mat(qtype, m, k, n)
+
+
+def default_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:
     if n <= MMVQ_MAX_TOKENS:
         return Choice("mmvq", default_mmvq(qtype, n, ids=False))
     return Choice("mmq", default_mmq(qtype, n, ids=False))

@@ -1,0 +1,165 @@
+"""The tuner's commands on a machine without a GPU: clear messages and exit codes, shapes
+from GGUF metadata, generate-and-tune's flow, the profile commands."""
+import importlib.util
+
+import numpy as np
+import pytest
+import yaml
+
+from moeforge.cli import main
+from moeforge.codegen.compile import ARCHS
+from moeforge.runtime import device
+from moeforge.tuning import profile as pm
+
+from test_profiles import fake_fp, make_profile
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(device, "has_gpu", lambda: False)
+
+
+def test_tune_without_gpu_is_a_clear_exit_2(no_gpu, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path))
+    assert main(["tune", "--shape", "qwen3-30b-a3b", "--trials", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device found" in err
+    assert not (tmp_path / "tuning.db").exists(), "nothing was started"
+
+
+def test_generate_and_tune_without_gpu_generates_then_stops(no_gpu, capsys, monkeypatch, tmp_path):
+    import moeforge.codegen.generate as gen
+    calls = []
+
+    def fake_generate(types, archs, build_dir=None, jobs=None, progress=True, out=None):
+        calls.append(([t.name for t in types], tuple(archs)))
+        return {"failures": []}
+    monkeypatch.setattr(gen, "generate", fake_generate)
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path))
+    assert main(["generate-and-tune"]) == 2
+    assert calls == [(["q4_0", "q8_0"], ARCHS)], "without a GPU: every architecture, both types"
+    assert "no CUDA device found" in capsys.readouterr().err
+
+
+def test_generate_and_tune_flow_with_the_standin(no_gpu, capsys, monkeypatch, tmp_path):
+    """The whole command on the CPU: generate, then the default shape set for q4_0 and q8_0 at
+    every anchor n within the time budget, the table, the profile."""
+    import moeforge.codegen.generate as gen
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: {"failures": []})
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    import time
+    t0 = time.time()
+    rc = main(["generate-and-tune", "--objective", "standin", "--profile-dir", str(tmp_path / "prof"),
+               "--time-budget", "45", "--quiet"])
+    assert rc == 0
+    assert time.time() - t0 < 45 + 10
+    out = capsys.readouterr().out
+    for shape in ("128,8,768,2048", "64,6,1408,2048", "32,4,2880,2880"):
+        for q in ("q4_0", "q8_0"):
+            assert f"mul_mat_id {q} E,top_k,m,k={shape}" in out
+    (pfile,) = (tmp_path / "prof").glob("*.yaml")
+    entries = pm.load(pfile).entries
+    assert len(entries) == 3 * 2 * 12, "every study measured at least its default"
+    assert {k.n for k in entries} == {1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}
+
+
+def test_plot_or_a_clear_message(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    png = tmp_path / "tuned.png"
+    rc = main(["tune", "--objective", "standin", "--shape", "128,8,768,2048", "--types", "q4_0", "--n", "16,32",
+               "--trials", "3", "--profile-dir", str(tmp_path / "prof"), "--plot", str(png), "--quiet"])
+    assert rc == 0
+    if importlib.util.find_spec("matplotlib"):
+        assert png.stat().st_size > 1000
+    else:
+        assert "--plot needs matplotlib" in capsys.readouterr().err
+        assert not png.exists()
+
+
+def _gguf(path, arch="qwen3moe", E=8, top_k=2, ff=64, embd=256, moe=True):
+    import gguf
+    from gguf import quants
+    w = gguf.GGUFWriter(str(path), arch)
+    if moe:
+        w.add_expert_count(E)
+        w.add_expert_used_count(top_k)
+        w.add_expert_feed_forward_length(ff)
+    w.add_embedding_length(embd)
+    raw = quants.quantize(np.ones((E * ff, embd), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_gate_exps.weight", raw.reshape(E, ff, -1), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_shapes_from_a_gguf_model(tmp_path):
+    from moeforge.tuning.shapes import model_shapes
+    f = tmp_path / "m.gguf"
+    _gguf(f, E=16, top_k=4, ff=96, embd=320)
+    shapes, types = model_shapes(f)
+    assert shapes == [(16, 4, 96, 320), (16, 4, 320, 96)]   # gate/up, then down
+    assert types == ["q8_0"]
+    dense = tmp_path / "d.gguf"
+    _gguf(dense, arch="llama", moe=False)
+    with pytest.raises(ValueError, match="expert_count is missing"):
+        model_shapes(dense)
+
+
+def test_tune_model_uses_its_shapes_and_types(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    _gguf(f, E=16, top_k=4, ff=96, embd=320)
+    rc = main(["tune", "--objective", "standin", "--model", str(f), "--n", "64", "--trials", "2",
+               "--profile-dir", str(tmp_path / "prof"), "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "mul_mat_id q8_0 E,top_k,m,k=16,4,96,320" in out
+    assert "mul_mat_id q8_0 E,top_k,m,k=16,4,320,96" in out
+
+
+# -- profile commands ---------------------------------------------------------------------
+def test_profile_import_export_list_show(no_gpu, capsys, tmp_path):
+    pdir = tmp_path / "profiles"
+    src = tmp_path / "h100.yaml"
+    pm.save(make_profile(), src)
+    assert main(["profile", "import", str(src), "--profile-dir", str(pdir)]) == 0
+    installed = pdir / pm.file_name(fake_fp())
+    assert pm.load(installed).entries == make_profile().entries
+    assert main(["profile", "import", str(src), "--profile-dir", str(pdir)]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert main(["profile", "import", str(src), "--profile-dir", str(pdir), "--force"]) == 0
+
+    (pdir / "zz-broken.yaml").write_text("schema_version: 1\nfingerprint: {gpu: [\n")
+    capsys.readouterr()
+    assert main(["profile", "list", "--profile-dir", str(pdir)]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H100 80GB HBM3" in out and "5 entries" in out
+    assert "zz-broken.yaml" in out and "CORRUPT" in out
+
+    assert main(["profile", "show", installed.stem, "--profile-dir", str(pdir)]) == 0
+    out = capsys.readouterr().out
+    assert "mmq_id-q4_0-x16y64w4k8s2" in out and "per_expert" in out
+
+    dest = tmp_path / "out" / "exported.yaml"
+    assert main(["profile", "export", str(dest), "--from", installed.stem, "--profile-dir", str(pdir)]) == 0
+    assert pm.load(dest).entries == make_profile().entries
+
+    capsys.readouterr()
+    assert main(["profile", "path", "--profile-dir", str(pdir)]) == 0
+    assert capsys.readouterr().out.strip() == str(pdir)
+    assert main(["profile", "show", "--profile-dir", str(pdir)]) == 2   # "this GPU's": there is none
+
+
+def test_profile_import_validates(no_gpu, capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    d = yaml.safe_load(pm.dump(make_profile()))
+    d["entries"][2]["spec"]["y"] = 96          # not a multiple of 16*warps
+    bad.write_text(yaml.safe_dump(d))
+    assert main(["profile", "import", str(bad), "--profile-dir", str(tmp_path / "p")]) == 1
+    err = capsys.readouterr().err
+    assert "refused" in err and "y must be a multiple" in err
+    assert not (tmp_path / "p").exists()
+    notyaml = tmp_path / "x.yaml"
+    notyaml.write_bytes(b"\x00\x01 :: [")
+    assert main(["profile", "import", str(notyaml), "--profile-dir", str(tmp_path / "p")]) == 1

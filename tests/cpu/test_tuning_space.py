@@ -1,0 +1,111 @@
+"""The search space: drawn from the generated instances only, pruned before compiling."""
+import pytest
+
+from moeforge.codegen import enumerate as enum
+from moeforge.codegen.quant import quant_type
+from moeforge.codegen.spec import MmqSpec, MmvqSpec
+from moeforge.runtime.dispatch import Choice
+from moeforge.tuning import space as sp
+from moeforge.tuning.space import TuneKey, build, default_choice, params_of, seeds
+
+QWEN = (128, 8, 768, 2048)
+
+
+def test_buckets_cover_the_anchor_n():
+    assert set(sp.ANCHOR_N) <= set(sp.BUCKETS)
+    assert sp.BUCKETS[0] == 1 and sp.BUCKETS[-1] == 4096
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n", sp.BUCKETS)
+def test_candidates_are_generated_instances_and_the_default_is_there(qtype, n):
+    key = TuneKey("mul_mat_id", qtype, QWEN, n)
+    s = build(key)
+    generated = {x.name for x in enum.all_specs([quant_type(qtype)])}
+    for c in s.choices:
+        assert c.spec.name in generated, c.spec.name
+        assert sp.path_allows(key.op, c.path, c.spec, key.shape, n) is None
+    d = default_choice(key)
+    assert s.lookup(params_of(d)) is not None, "the default must always be measurable"
+    assert seeds(s)[0].spec == d.spec, "the default is enqueued first"
+    # every candidate round-trips through its Optuna parameters
+    for c in s.choices:
+        assert s.lookup(params_of(c)).spec == c.spec
+
+
+def test_mmvq_only_within_its_limits():
+    assert "mmvq" in build(TuneKey("mul_mat_id", "q4_0", QWEN, 8)).paths      # 8*8 = 64 entries
+    assert "mmvq" not in build(TuneKey("mul_mat_id", "q4_0", QWEN, 16)).paths
+    assert "mmvq" not in build(TuneKey("mul_mat_id", "q4_0", (16, 16, 64, 256), 8)).paths  # 128 entries
+    s = build(TuneKey("mul_mat_id", "q4_0", QWEN, 2))
+    assert all(c.spec.tokens <= 2 for c in s.choices if c.path == "mmvq")
+    assert any("more than n=2 can fill" in why for _, why in s.pruned)
+
+
+def test_shared_memory_limit_prunes_before_compiling():
+    key = TuneKey("mul_mat_id", "q8_0", QWEN, 4096)
+    full = build(key)
+    biggest = max(c.spec.smem_bytes() for c in full.choices if isinstance(c.spec, MmqSpec))
+    limit = biggest - 1
+    s = build(key, smem_limit=limit)
+    assert all(c.spec.smem_bytes() <= limit for c in s.choices if isinstance(c.spec, MmqSpec))
+    assert any("shared memory" in why for _, why in s.pruned)
+    assert len(s) < len(full)
+
+
+def test_tiles_follow_tokens_per_expert():
+    # n=16, E=128, top_k=8: one token per expert on average: only the narrowest tile
+    s = build(TuneKey("mul_mat_id", "q4_0", QWEN, 16))
+    assert {c.spec.x for c in s.choices} == {8}
+    assert any("far more than" in why for _, why in s.pruned)
+    # n=4096: 256 tokens per expert: no 8-wide tiles, the per-expert path is in play
+    s = build(TuneKey("mul_mat_id", "q4_0", QWEN, 4096))
+    assert min(c.spec.x for c in s.choices if c.path != "mmvq") >= 32
+    assert "per_expert" in s.paths
+    assert "per_expert" not in build(TuneKey("mul_mat_id", "q4_0", QWEN, 64)).paths
+
+
+def test_rows_per_tile_bounded_by_m():
+    s = build(TuneKey("mul_mat_id", "q4_0", (8, 2, 64, 256), 512))
+    d = default_choice(s.key)
+    assert all(c.spec.y == 64 or c.spec == d.spec for c in s.choices)
+
+
+def test_dense_op_space():
+    s = build(TuneKey("mul_mat", "q8_0", (1, 1, 4096, 4096), 512))
+    assert s.paths == ["mmq"]
+    assert all(not c.spec.ids for c in s.choices)
+    s = build(TuneKey("mul_mat", "q8_0", (1, 1, 4096, 4096), 4))
+    assert set(s.paths) == {"mmvq", "mmq"}
+    assert all(not c.spec.ids for c in s.choices)
+
+
+def test_signature_tracks_the_candidate_set():
+    key = TuneKey("mul_mat_id", "q8_0", QWEN, 4096)
+    assert build(key).signature() == build(key).signature()
+    assert build(key).signature() != build(key, smem_limit=64 * 1024).signature()
+
+
+@pytest.mark.parametrize("bad", [
+    dict(op="conv", qtype="q4_0", shape=QWEN, n=16),
+    dict(op="mul_mat_id", qtype="q9_9", shape=QWEN, n=16),
+    dict(op="mul_mat_id", qtype="q4_0", shape=(8, 9, 64, 256), n=16),
+    dict(op="mul_mat_id", qtype="q4_0", shape=(8, 2, 64, 250), n=16),
+    dict(op="mul_mat_id", qtype="q4_0", shape=QWEN, n=48),
+    dict(op="mul_mat_id", qtype="q4_0", shape=QWEN, n=8192),
+    dict(op="mul_mat", qtype="q4_0", shape=QWEN, n=16),
+])
+def test_bad_keys_are_value_errors(bad):
+    with pytest.raises(ValueError):
+        TuneKey(**bad)
+
+
+def test_path_rules_refuse_mismatched_specs():
+    mmvq = MmvqSpec("q4_0", tokens=1, warps=4, rows=1, ids=True)
+    mmq = MmqSpec("q4_0", x=8, y=128, warps=8, ids=True)
+    assert sp.path_allows("mul_mat_id", "mmvq", mmvq, QWEN, 1) is None
+    assert sp.path_allows("mul_mat_id", "mmvq", mmvq, QWEN, 16) is not None
+    assert sp.path_allows("mul_mat_id", "per_expert", mmq, QWEN, 512) is not None   # needs ids=False
+    assert sp.path_allows("mul_mat_id", "mmq", mmq, QWEN, 512) is not None           # no such path
+    assert sp.path_allows("mul_mat_id", "mmvq", MmvqSpec("q4_0", act="silu"), QWEN, 1) is not None
+    assert sp.path_allows("mul_mat_id", "mmq_id", Choice("x", mmvq).spec, QWEN, 1) is not None

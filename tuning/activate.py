@@ -1,0 +1,100 @@
+"""Which profile dispatch uses: found lazily, on the first product that runs on a GPU, for
+the fingerprint of the current device.
+
+Search order: the user's profile directory (what `moeforge tune` wrote or `profile import`
+brought), then the profiles shipped in the package. An exact fingerprint match wins; a
+profile of the same chip made under another driver/toolkit is used with one warning; any
+other difference is refused with a warning naming every differing field; a corrupt file is
+reported and skipped. Nothing here may break a product: on any surprise, defaults.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from . import fingerprint as fpmod
+from .paths import profile_dir, shipped_profiles
+from .profile import Profile, ProfileError, load
+
+
+class ProfileWarning(UserWarning):
+    pass
+
+
+_active: dict[int, Profile | None] = {}
+_said: set[str] = set()
+
+
+def _warn(msg: str) -> None:
+    if msg not in _said:       # one warning per distinct message, however many products run
+        _said.add(msg)
+        warnings.warn(msg, ProfileWarning, stacklevel=3)
+
+
+def candidate_files(user_dir: Path | None = None) -> list[Path]:
+    d = Path(user_dir) if user_dir else profile_dir()
+    mine = sorted(d.glob("*.yaml")) if d.is_dir() else []
+    return mine + shipped_profiles()
+
+
+def resolve(here: dict, files: list[Path] | None = None, warn=_warn) -> Profile | None:
+    """The profile to use for fingerprint `here`, or None for the defaults."""
+    files = candidate_files() if files is None else files
+    soft, refused = None, []
+    for path in files:
+        try:
+            prof = load(path)
+        except ProfileError as e:
+            warn(f"moeforge: profile {path} is corrupt and is not used: {'; '.join(e.problems[:5])}")
+            continue
+        v, diffs = fpmod.verdict(prof.fingerprint, here)
+        if v == "match":
+            return prof
+        if v == "soft" and soft is None:
+            soft = (prof, diffs)
+        elif v == "refuse":
+            refused.append((prof, diffs))
+    if soft is not None:
+        prof, diffs = soft
+        warn(f"moeforge: using profile {prof.source}, tuned on the same GPU under other software "
+             f"({fpmod.describe(diffs)}); re-run `moeforge tune` to refresh it")
+        return prof
+    if refused:
+        # Name the nearest refused profile (fewest differing fields): that is the one the
+        # user most likely expected to apply.
+        prof, diffs = min(refused, key=lambda pd: len(pd[1]))
+        warn(f"moeforge: no profile matches this GPU ({here.get('gpu')}); profile {prof.source} is not "
+             f"used because {fpmod.describe(diffs)}; running the default kernels")
+    else:
+        warn(f"moeforge: no tuned profile for {here.get('gpu')}; running the default kernels "
+             f"(`moeforge tune` makes one)")
+    return None
+
+
+def active(device: int | None = None) -> Profile | None:
+    from ..runtime.device import cupy_or_none, has_gpu
+    if not has_gpu():
+        return None
+    dev = cupy_or_none().cuda.Device().id if device is None else device
+    if dev not in _active:
+        try:
+            _active[dev] = resolve(fpmod.current(dev))
+        except Exception as e:  # never let a profile problem stop a product
+            _warn(f"moeforge: could not load a profile ({type(e).__name__}: {e}); running the default kernels")
+            _active[dev] = None
+    return _active[dev]
+
+
+def lookup(op: str, qtype: str, shape, n: int):
+    prof = active()
+    return prof.choose(op, qtype, shape, n) if prof is not None else None
+
+
+def reset() -> None:
+    """Forget the resolved profiles (after `tune` or `profile import` wrote one)."""
+    _active.clear()
+
+
+def install() -> None:
+    from ..runtime import profiles_hook
+    profiles_hook.install(lookup)
