@@ -124,12 +124,29 @@ class _Weights:
             return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         w = rng.standard_normal(shape) * self.std(name, shape)
         if self.skewed:
-            # hot experts get larger router rows, so they win top-k far more often
-            w *= (0.5 + 3.0 / (1.0 + np.arange(shape[0])) ** 0.7)[:, None]
+            # Every token embedding shares a positive component on every 32nd coordinate
+            # (see skew_embedding); router rows that point along it win top-k for most
+            # tokens: expert 0 most, the next ones less (shift ~8 / (1 + e)^0.7 logits).
+            n_shared = shape[1] // 32
+            shift = 8.0 / (1.0 + np.arange(shape[0])) ** 0.7
+            w[:, ::32] += (shift / (1.5 * n_shared))[:, None]
         return w.astype(np.float32)
+
+    @staticmethod
+    def skew_embedding(blocks: np.ndarray, t: str) -> np.ndarray:
+        """Raise value 0 of every block to the format's largest positive quant (scales
+        are positive): the shared component the skewed router keys on."""
+        b = blocks.reshape(-1, QUANT_TYPES[t].block_bytes).copy() if t in QUANT_TYPES else blocks
+        if t == "q4_0":
+            b[:, 2] = (b[:, 2] & 0xF0) | 0x0F
+        elif t == "q8_0":
+            b[:, 2] = 127
+        return b.reshape(-1)
 
     def float_tensor(self, name: str, shape, t: str) -> np.ndarray:
         w = (self.rng(name).standard_normal(shape, dtype=np.float32) * np.float32(self.std(name, shape)))
+        if self.skewed and name == "token_embd.weight":
+            w[:, ::32] = np.abs(w[:, ::32]) + 1.5
         if t in QUANT_TYPES:
             from gguf import quants
             return quants.quantize(w.reshape(-1, shape[-1]), QUANT_TYPES[t].ggml_type)
@@ -206,8 +223,9 @@ def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = 
             fout.write(np.ascontiguousarray(weights.float_tensor(tname, shape, t)).tobytes())
         else:
             pool = pools.get(t) or pools.setdefault(t, _BlockPool(t, rng))
+            skew = skewed_router and tname == "token_embd.weight" and t in QUANT_TYPES
             for c in pool.chunks(nb, rng):
-                fout.write(memoryview(c))
+                fout.write(memoryview(_Weights.skew_embedding(c, t) if skew else c))
         w.write_padding(fout, nb)
         if progress:
             progress(i + 1, len(plan), tname)

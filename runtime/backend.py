@@ -7,6 +7,7 @@ buffer for the same name and shape every time (CUDA, for graph capture) or a fre
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +83,10 @@ class Backend:
         return KVCache(self.xp, self.hp, n_ctx)
 
     # -- host <-> device ---------------------------------------------------------------------
+    def context(self):
+        """Entered around every evaluation (the CUDA backend's stream)."""
+        return contextlib.nullcontext()
+
     def to_device(self, a: np.ndarray, name: str):
         return self.xp.asarray(a)
 

@@ -12,10 +12,11 @@ shape, so a decode step allocates nothing and can be replayed as a CUDA graph.
 from __future__ import annotations
 
 
-def forward(m, tokens, pos, pos0: int, n: int):
+def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
     """tokens, pos: backend int32 arrays (n,); pos0: the first position (host int, used
     only where the backend cannot read positions on the device). Appends the tokens' keys
-    and values to the cache and returns the backend's float32 logits (n, n_vocab)."""
+    and values to the cache and returns the backend's float32 logits (n, n_vocab), or
+    (1, n_vocab) for the last token only (what prompt processing needs)."""
     B, hp, W = m.backend, m.hp, m.weights
     eps = hp.rms_eps
     x = B.embed(W.tok_embd, tokens, "x")
@@ -39,5 +40,7 @@ def forward(m, tokens, pos, pos0: int, n: int):
             act = B.swiglu_split(B.mul_mat_id(L.gate, h, ids, "gate"), B.mul_mat_id(L.up, h, ids, "up"), "act")
         B.moe_combine_(x, B.mul_mat_id(L.down, act, ids, "down"), wts)
 
+    if last_only and n > 1:
+        x = x[n - 1:n]
     h = B.rms_norm(x, W.output_norm, eps, "h")
     return B.matmul(W.output, h, "logits")

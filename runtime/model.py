@@ -24,7 +24,8 @@ class Model:
         if arch_name not in ARCHS:
             raise GGUFError(f"{f.path}: architecture {arch_name!r} is not supported (moeforge runs "
                             f"{', '.join(ARCHS)})")
-        arch, self._graph = ARCHS[arch_name]
+        arch, graph = ARCHS[arch_name]
+        self._forward = graph.forward
         refs = arch.open_model(f, merge=merge_gate_up)   # validates everything before any upload
         self.file, self.path, self.arch, self.hp = f, f.path, arch_name, refs.hp
         if backend == "numpy":
@@ -61,25 +62,27 @@ class Model:
             raise ValueError(f"token ids must be in [0, {self.hp.n_vocab}), got [{ids.min()}, {ids.max()}]")
         return ids.astype(np.int32)
 
-    def eval(self, token_ids, *, want_logits: bool = True):
+    def eval(self, token_ids, *, want_logits: bool = True, last_only: bool = False):
         """Append tokens to the context (in ubatches); float32 logits (n, n_vocab) on the
-        host, or None where want_logits is False (the benchmarks)."""
+        host, those of the last token only (1, n_vocab), or None where want_logits is False
+        (the benchmarks: then only the last token's logits are computed, as llama.cpp does)."""
         ids = self._check_tokens(token_ids)
         if self.n_past + ids.size > self.cache.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {ids.size} tokens > n_ctx {self.cache.n_ctx}")
         outs = []
-        for lo in range(0, ids.size, self.n_ubatch):
-            chunk = ids[lo:lo + self.n_ubatch]
-            out = self._step(chunk)
-            if want_logits:
-                outs.append(self.backend.to_host(out))
+        with self.backend.context():
+            for lo in range(0, ids.size, self.n_ubatch):
+                final = lo + self.n_ubatch >= ids.size
+                out = self._step(ids[lo:lo + self.n_ubatch], last_only=last_only or not want_logits)
+                if want_logits and (final or not last_only):
+                    outs.append(self.backend.to_host(out))
         if not want_logits:
             return None
         if not outs:
             return np.zeros((0, self.hp.n_vocab), dtype=np.float32)
         return np.concatenate(outs).astype(np.float32, copy=False)
 
-    def _step(self, ids: np.ndarray):
+    def _step(self, ids: np.ndarray, last_only: bool = False):
         n, pos0 = ids.size, self.n_past
         step = getattr(self.backend, "decode_step", None)
         if n == 1 and step is not None:
@@ -88,7 +91,7 @@ class Model:
             B = self.backend
             tokens = B.to_device(ids, "tokens")
             pos = B.to_device(np.arange(pos0, pos0 + n, dtype=np.int32), "pos")
-            out = self._graph.forward(self, tokens, pos, pos0, n)
+            out = self._forward(self, tokens, pos, pos0, n, last_only)
         self.n_past += n
         return out
 
@@ -105,7 +108,7 @@ class Model:
         if ids.size == 0:
             raise ValueError("the prompt must hold at least one token")
         self.reset(ids.size + n)
-        last = self.eval(ids)[-1]
+        last = self.eval(ids, last_only=True)[-1]
         out = []
         for _ in range(n):
             tok = int(np.argmax(last))

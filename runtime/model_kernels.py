@@ -183,6 +183,20 @@ extern "C" __global__ void swiglu_split(const float* g, const float* u, float* o
     out[idx] = a / (1.0f + __expf(-a)) * u[idx];
 }
 
+// out[t, r] = W[r] . x[t] for float32 weights and a few tokens (the router, float test
+// models): one warp per row, so the decode step needs no cuBLAS call inside the graph.
+extern "C" __global__ void dense_f32(const float* w, const float* x, float* out, int m, int k) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), t = blockIdx.y;
+    if (r >= m) return;
+    const float* wr = w + (long)r * k;
+    const float* xt = x + (long)t * k;
+    float s = 0.0f;
+    for (int i = lane; i < k; i += 32) s += wr[i] * xt[i];
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) out[(long)t * m + r] = s;
+}
+
 // x[t] += sum_j w[t, j] * y[t, j]: the experts' weighted sum and the residual in one pass.
 extern "C" __global__ void moe_combine(float* x, const float* y, const float* w, int n, int top_k, int d) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -195,7 +209,7 @@ extern "C" __global__ void moe_combine(float* x, const float* y, const float* w,
 """
 
 KERNELS = ("get_rows_q4_0", "get_rows_q8_0", "rms_norm", "rope_neox", "kv_store", "attn_decode",
-           "route_topk", "swiglu", "swiglu_split", "moe_combine")
+           "route_topk", "swiglu", "swiglu_split", "dense_f32", "moe_combine")
 MAX_EXPERTS = 512
 MAX_HEAD_DIM = 256
 
