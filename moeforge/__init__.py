@@ -4,4 +4,12 @@ __version__ = "0.1.0"
 from .runtime.ops import mul_mat, mul_mat_id  # noqa: E402
 from .runtime.tensor import QuantTensor  # noqa: E402
 
-__all__ = ["QuantTensor", "mul_mat", "mul_mat_id", "__version__"]
+__all__ = ["QuantTensor", "load_model", "mul_mat", "mul_mat_id", "__version__"]
+
+
+def __getattr__(name):
+    # The model runtime loads on first use, so `import moeforge` stays cheap and GPU-free.
+    if name == "load_model":
+        from .runtime.model import load_model
+        return load_model
+    raise AttributeError(f"module 'moeforge' has no attribute {name!r}")
