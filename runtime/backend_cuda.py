@@ -21,8 +21,7 @@ from .model_kernels import MAX_EXPERTS, MAX_HEAD_DIM, SOURCE
 from .tensor import QuantTensor
 
 _i32, _f32 = np.int32, np.float32
-SMALL_N = 16                 # float products up to this many tokens use dense_f32, not cuBLAS
-MAX_GATHER_BYTES = 2 << 30   # float expert weights are gathered per (token, slot): small models only
+SMALL_N = 16    # float products up to this many tokens use dense_f32, not cuBLAS
 
 
 class GpuWeight:
@@ -169,13 +168,10 @@ class CudaBackend(Backend):
         if w.q is not None:
             ops.run_mul_mat_id(w.q, x, ids, out, dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n))
             return out
-        if n * top_k * m * k * 4 > MAX_GATHER_BYTES:
-            raise ValueError(f"float expert weights ({w.qtype}) run only on small models or batches; "
-                             f"quantize {w.shape} to q4_0 or q8_0")
-        g = self.ws(name + ".w", (n * top_k, m, k))
-        self.cp.take(w.f, ids.reshape(-1), axis=0, out=g)
-        xs = x[:, None, :, None] if x.ndim == 2 else x[..., None]
-        self.cp.matmul(g.reshape(n, top_k, m, k), xs, out=out[..., None])
+        # float experts: test models only (a warp per output, no tensor cores)
+        x_div = top_k if x.ndim == 2 else 1
+        self.kernel("dense_f32_id")((-(-m // 8), n * top_k), (256,), (w.f, x, ids, out, _i32(m), _i32(k),
+                                                                      _i32(x_div)))
         return out
 
     def route(self, logits, top_k, scale):

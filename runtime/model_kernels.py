@@ -197,6 +197,21 @@ extern "C" __global__ void dense_f32(const float* w, const float* x, float* out,
     if (lane == 0) out[(long)t * m + r] = s;
 }
 
+// Float32 experts (test models): out[entry, r] = W[ids[entry]][r] . x[entry / x_div];
+// x_div = top_k when every slot of a token shares its row, 1 when each slot has its own.
+extern "C" __global__ void dense_f32_id(const float* w, const float* x, const int* ids, float* out,
+                                        int m, int k, int x_div) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), entry = blockIdx.y;
+    if (r >= m) return;
+    const float* wr = w + ((long)ids[entry] * m + r) * k;
+    const float* xt = x + (long)(entry / x_div) * k;
+    float s = 0.0f;
+    for (int i = lane; i < k; i += 32) s += wr[i] * xt[i];
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) out[(long)entry * m + r] = s;
+}
+
 // x[t] += sum_j w[t, j] * y[t, j]: the experts' weighted sum and the residual in one pass.
 extern "C" __global__ void moe_combine(float* x, const float* y, const float* w, int n, int top_k, int d) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -209,7 +224,8 @@ extern "C" __global__ void moe_combine(float* x, const float* y, const float* w,
 """
 
 KERNELS = ("get_rows_q4_0", "get_rows_q8_0", "rms_norm", "rope_neox", "kv_store", "attn_decode",
-           "route_topk", "swiglu", "swiglu_split", "dense_f32", "moe_combine")
+           "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_id",
+           "moe_combine")
 MAX_EXPERTS = 512
 MAX_HEAD_DIM = 256
 
