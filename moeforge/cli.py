@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .cli_model import route_bench
+    argv = route_bench(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

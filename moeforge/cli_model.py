@@ -1,6 +1,134 @@
-"""CLI commands of the model runtime (synth, perplexity, model bench). Filled in by the
-runtime work; `add_commands` registers them on the main parser."""
+"""CLI commands of the model runtime: synth, perplexity, run, bench-model (also reached as
+`moeforge bench MODEL.gguf`)."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _cmd_synth(args) -> int:
+    from .synth import PRESETS, describe, preset, write_qwen3moe
+    if args.arch != "qwen3moe":
+        print(f"moeforge synth: architecture {args.arch!r} is not supported (qwen3moe)", file=sys.stderr)
+        return 2
+    if args.preset not in PRESETS:
+        print(f"moeforge synth: unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}", file=sys.stderr)
+        return 2
+    spec = preset(args.preset, n_layer=args.layers)
+    if not args.quiet:
+        print(f"synth {args.preset} ({describe(spec)}), {args.type} -> {args.out}", file=sys.stderr)
+
+    def progress(i, n, name):
+        if not args.quiet and (i == n or i % 25 == 0):
+            print(f"  {i}/{n} tensors", file=sys.stderr)
+    r = write_qwen3moe(args.out, spec, args.type, seed=args.seed, skewed_router=args.skewed_router,
+                       embd_type=args.embd_type, output_type=args.output_type, merged_gate_up=args.merged_gate_up,
+                       tied_output=args.tied_output, name=f"moeforge-synth {args.preset} {args.type}",
+                       progress=progress)
+    print(f"wrote {r['path']}: {r['bytes'] / 2**30:.2f} GiB, {r['tensors']} tensors in {r['seconds']:.1f} s "
+          f"({r['gb_per_s']:.2f} GB/s)")
+    return 0
+
+
+def _load(args):
+    from .runtime.device import has_gpu
+    from .runtime.model import load_model
+    if args.backend == "cuda" and not has_gpu():
+        raise SystemExit("moeforge: the cuda backend needs a CUDA GPU, and none was found "
+                         "(--backend numpy runs small models on the CPU)")
+    return load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None))
+
+
+def _cmd_perplexity(args) -> int:
+    if not os.path.isfile(args.file):
+        print(f"moeforge perplexity: no such file {args.file!r}", file=sys.stderr)
+        return 2
+    text = open(args.file, encoding="utf-8", errors="replace").read()
+    model = _load(args)
+    ids = model.tokenizer.encode(text)
+    usable = len(ids) // args.ctx
+    if args.chunks:
+        usable = min(usable, args.chunks)
+    if usable == 0:
+        print(f"moeforge perplexity: the text has {len(ids)} tokens, fewer than one chunk of {args.ctx}",
+              file=sys.stderr)
+        return 2
+    print(f"{model.describe()}\nperplexity: {len(ids)} tokens, {usable} chunks of {args.ctx}", file=sys.stderr)
+    res = model.perplexity(ids[:usable * args.ctx], ctx=args.ctx)
+    print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res["running"])))
+    print(f"Final estimate: PPL = {res['ppl']:.4f}")
+    return 0
+
+
+def _cmd_run(args) -> int:
+    model = _load(args)
+    tok = model.tokenizer
+    ids = tok.encode(args.prompt)
+    out = model.generate(ids, args.n)
+    print(args.prompt + tok.decode(out))
+    return 0
+
+
+def _cmd_bench_model(args) -> int:
+    from .bench_model import main
+    return main(args)
 
 
 def add_commands(sub) -> None:
-    return None
+    s = sub.add_parser("synth", help="write a synthetic GGUF model with real shapes and random weights")
+    s.add_argument("out", metavar="OUT.gguf")
+    s.add_argument("--arch", default="qwen3moe")
+    s.add_argument("--preset", default="qwen3-30b-a3b", help="qwen3-30b-a3b, qwen3-235b-a22b or tiny")
+    s.add_argument("--type", default="q4_0", choices=("q4_0", "q8_0", "f16", "f32"))
+    s.add_argument("--embd-type", default=None, help="type of token_embd (default: --type)")
+    s.add_argument("--output-type", default=None, help="type of the output head (default: --type)")
+    s.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    s.add_argument("--skewed-router", action="store_true", help="a few hot experts take most tokens")
+    s.add_argument("--merged-gate-up", action="store_true",
+                   help="write ffn_gate_up_exps instead of gate and up (moeforge loads it; llama.cpp may not)")
+    s.add_argument("--tied-output", action="store_true", help="no output.weight: the head is the embedding")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=_cmd_synth)
+
+    p = sub.add_parser("perplexity", help="perplexity of a GGUF model on a text file (llama.cpp's recipe)")
+    p.add_argument("model", metavar="MODEL.gguf")
+    p.add_argument("-f", "--file", required=True, help="text file")
+    p.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk (default 512)")
+    p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
+    p.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
+    p.set_defaults(func=_cmd_perplexity)
+
+    r = sub.add_parser("run", help="greedy completion of a prompt")
+    r.add_argument("model", metavar="MODEL.gguf")
+    r.add_argument("-p", "--prompt", required=True)
+    r.add_argument("-n", type=int, default=32, help="tokens to generate")
+    r.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
+    r.set_defaults(func=_cmd_run)
+
+    b = sub.add_parser("bench-model", help="model speed in llama-bench's table (also: moeforge bench MODEL.gguf)")
+    b.add_argument("model", metavar="MODEL.gguf")
+    b.add_argument("-p", type=_ints, default=[512, 2048], help="prompt sizes (default 512,2048)")
+    b.add_argument("-n", type=_ints, default=[128], help="generation lengths (default 128)")
+    b.add_argument("-r", "--repetitions", type=int, default=5)
+    b.add_argument("-ub", "--ubatch", type=int, default=512, help="tokens per forward pass (default 512)")
+    b.add_argument("--sweep", action="store_true", help="sweep-bench's table: PP and TG as the KV cache fills")
+    b.add_argument("--ctx", "-c", type=int, default=4096, help="context of the sweep (default 4096)")
+    b.add_argument("--sweep-pp", type=int, default=512)
+    b.add_argument("--sweep-tg", type=int, default=128)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
+    b.add_argument("--json", default=None, help="write the numbers to this file")
+    b.set_defaults(func=_cmd_bench_model)
+
+
+def route_bench(argv: list[str]) -> list[str]:
+    """`moeforge bench MODEL.gguf ...` is the model benchmark; `moeforge bench` with no
+    GGUF file stays the kernel benchmark."""
+    if argv and argv[0] == "bench" and any(a.endswith(".gguf") and not a.startswith("-") for a in argv[1:]):
+        return ["bench-model", *argv[1:]]
+    return argv

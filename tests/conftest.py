@@ -35,3 +35,44 @@ def generated(tmp_path_factory):
     buf = io.StringIO()
     summary = generate(parse_types("all"), ARCHS, build_dir, progress=False, out=buf)
     return build_dir, summary, buf.getvalue()
+
+
+PARITY_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
+
+
+@pytest.fixture(scope="session")
+def parity_models(tmp_path_factory):
+    """The llama.cpp parity fixtures: GGUF files rewritten from the manifest (bit-identical
+    weights, checked by hash), with llama.cpp's logits. name -> dict(path, tokens, logits)."""
+    import json
+    from gguf import GGUFReader
+    import hashlib
+    from moeforge.synth import SynthSpec, write_qwen3moe
+    with open(os.path.join(PARITY_DIR, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    out = {}
+    tmp = tmp_path_factory.mktemp("parity")
+    for name, e in manifest["fixtures"].items():
+        path = str(tmp / f"{name}.gguf")
+        write_qwen3moe(path, SynthSpec(**e["spec"]), source="float", seed=e["seed"],
+                       name="moeforge parity fixture", **e["args"])
+        h = hashlib.sha256()
+        for t in GGUFReader(path).tensors:
+            h.update(t.name.encode())
+            h.update(np.ascontiguousarray(t.data).view(np.uint8).tobytes())
+        assert h.hexdigest() == e["weights_sha256"], (
+            f"fixture {name}: the rewritten weights differ from those llama.cpp evaluated "
+            f"(gguf or numpy changed?); rerun scripts/make_parity_fixtures.py")
+        z = np.load(os.path.join(PARITY_DIR, e["file"]))
+        out[name] = dict(path=path, tokens=z["tokens"], logits=z["logits"], entry=e)
+    return out
+
+
+def kl_per_token(ref, got):
+    """KL(p_ref || p_got) per position, from logits."""
+    def logp(z):
+        z = np.asarray(z, dtype=np.float64)
+        z = z - z.max(axis=-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    lp, lq = logp(ref), logp(got)
+    return (np.exp(lp) * (lp - lq)).sum(axis=-1)

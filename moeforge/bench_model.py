@@ -1,0 +1,141 @@
+"""`moeforge bench MODEL.gguf`: whole-model speed in llama-bench's table, and `--sweep` in
+sweep-bench's (ik_llama.cpp), so the numbers sit next to llama.cpp's on the same file.
+
+pp N: N prompt tokens into an empty context (ubatches of --ubatch), logits of the last
+token only; tg N: N tokens decoded one at a time from an empty context. Each test runs
+once to warm up, then --repetitions times; t/s is the mean ± standard deviation over
+repetitions, as llama-bench prints it. The token ids are random (no sampling), as there.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+FTYPES = {0: "all F32", 1: "F16", 2: "Q4_0", 7: "Q8_0", 32: "BF16"}
+SIZE_LABELS = {("qwen3moe", 48): "30B.A3B", ("qwen3moe", 94): "235B.A22B"}
+
+
+def model_label(m) -> str:
+    """llama.cpp's description: architecture, size class, file type."""
+    size = SIZE_LABELS.get((m.arch, m.hp.n_layer), "?B")
+    ft = m.file.get("general.file_type")
+    return f"{m.arch} {size} {FTYPES.get(ft, '?') if ft is not None else '?'}"
+
+
+def _timed(model, fn) -> float:
+    model.backend.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    model.backend.synchronize()
+    return time.perf_counter() - t0
+
+
+def run_pp(model, n: int, rng) -> float:
+    toks = rng.integers(0, model.hp.n_vocab, size=n)
+    model.reset(n)
+    return _timed(model, lambda: model.eval(toks, want_logits=False))
+
+
+def run_tg(model, n: int, rng, start: int = 0) -> float:
+    toks = rng.integers(0, model.hp.n_vocab, size=n)
+    model.n_past = start
+
+    def go():
+        for t in toks:
+            model.eval([int(t)], want_logits=False)
+    return _timed(model, go)
+
+
+def bench(model, tests, reps: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for kind, n in tests:
+        need = n + 1
+        if model.cache.n_ctx < need:
+            model.reset(need)
+
+        def once():
+            if kind == "pp":
+                return run_pp(model, n, rng)
+            model.reset()
+            return run_tg(model, n, rng)
+        once()                                   # warm-up: compiles, sizes buffers, captures
+        ts = np.array([n / once() for _ in range(reps)])
+        rows.append({"test": f"{kind}{n}", "n": n, "t_s_mean": float(ts.mean()),
+                     "t_s_std": float(ts.std(ddof=1)) if reps > 1 else 0.0, "samples": ts.tolist()})
+    return rows
+
+
+def format_llama_bench(model, rows, backend_label: str) -> str:
+    head = ["model", "size", "params", "backend", "ngl", "test", "t/s"]
+    size = f"{model.n_bytes / 2**30:.2f} GiB" if model.n_bytes >= 2**30 else f"{model.n_bytes / 2**20:.2f} MiB"
+    params = f"{model.n_params / 1e9:.2f} B" if model.n_params >= 1e9 else f"{model.n_params / 1e6:.2f} M"
+    body = [[model_label(model), size, params,
+             backend_label, "99", r["test"], f"{r['t_s_mean']:.2f} ± {r['t_s_std']:.2f}"] for r in rows]
+    right = {1, 2, 4, 5, 6}
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    widths[0], widths[6] = max(widths[0], 30), max(widths[6], 20)
+
+    def line(cells):
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    sep = "| " + " | ".join(("-" * (w - 1) + ":") if i in right else "-" * w for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(head), sep] + [line(b) for b in body])
+
+
+def sweep(model, n_ctx: int, pp: int, tg: int, seed: int = 0) -> list[dict]:
+    """sweep-bench: at each KV fill, tg tokens decoded (then dropped from the context),
+    then a pp batch processed and kept; the fill grows by pp until the context is full."""
+    rng = np.random.default_rng(seed)
+    model.reset(n_ctx)
+    run_pp(model, min(pp, n_ctx // 2), rng)          # warm-up
+    model.reset()
+    run_tg(model, min(tg, 4), rng)
+    model.reset()
+    rows = []
+    n_kv = 0
+    while n_kv + pp + tg <= n_ctx:
+        t_tg = run_tg(model, tg, rng, start=n_kv)
+        model.n_past = n_kv
+        toks = rng.integers(0, model.hp.n_vocab, size=pp)
+        t_pp = _timed(model, lambda: model.eval(toks, want_logits=False))
+        rows.append({"pp": pp, "tg": tg, "n_kv": n_kv, "t_pp": t_pp, "s_pp": pp / t_pp,
+                     "t_tg": t_tg, "s_tg": tg / t_tg})
+        n_kv += pp
+    return rows
+
+
+def format_sweep(rows) -> str:
+    out = ["|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |",
+           "|-------|--------|--------|----------|----------|----------|----------|"]
+    for r in rows:
+        out.append(f"| {r['pp']:5d} | {r['tg']:6d} | {r['n_kv']:6d} | {r['t_pp']:8.3f} | {r['s_pp']:8.2f} | "
+                   f"{r['t_tg']:8.3f} | {r['s_tg']:8.2f} |")
+    return "\n".join(out)
+
+
+def main(args) -> int:
+    from .runtime.device import has_gpu
+    if args.backend == "cuda" and not has_gpu():
+        print("moeforge bench: timing a model needs a CUDA GPU, and none was found "
+              "(--backend numpy runs the same tables on the CPU, for testing only)", file=sys.stderr)
+        return 2
+    from .runtime.model import load_model
+    n_ctx = args.ctx if args.sweep else max([*args.p, *args.n, 1]) + 1
+    model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch)
+    label = "moeforge CUDA" if args.backend == "cuda" else "moeforge numpy"
+    if args.sweep:
+        rows = sweep(model, args.ctx, args.sweep_pp, args.sweep_tg, args.seed)
+        print(format_sweep(rows))
+    else:
+        tests = [("pp", p) for p in args.p if p > 0] + [("tg", n) for n in args.n if n > 0]
+        rows = bench(model, tests, args.repetitions, args.seed)
+        print(format_llama_bench(model, rows, label))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": args.model, "label": model_label(model), "backend": label,
+                       "sweep" if args.sweep else "tests": rows}, fh, indent=1)
+    return 0

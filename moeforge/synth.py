@@ -1,0 +1,267 @@
+"""Synthetic qwen3moe GGUF files: real shapes, random weights, a loadable tokenizer.
+
+Two sources of weights:
+  "blocks"  (moeforge synth) valid random GGUF blocks copied from a pool of random blocks
+            at random block offsets, so a 17 GB file costs little more than the disk
+            write: no float is generated or quantized;
+  "float"   (the parity fixtures) seeded float weights, quantized with gguf's reference
+            quantizer, so the F32/F16/Q8_0/Q4_0 files are versions of one model.
+
+Metadata keys and tensor names are those of llama.cpp's qwen3moe converter.
+"""
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from .codegen.quant import QUANT_TYPES
+from .synth_vocab import add_tokenizer
+
+ARCH = "qwen3moe"
+TYPES = ("f32", "f16", "q8_0", "q4_0")
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}   # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff_exp: int
+    n_expert: int
+    n_expert_used: int
+    n_ctx: int = 4096
+    rope_base: float = 1e6
+    rms_eps: float = 1e-6
+    n_ff: int = 0           # the dense feed_forward_length key (informational for qwen3moe)
+
+
+PRESETS = {
+    "qwen3-30b-a3b": SynthSpec(n_vocab=151936, n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, head_dim=128,
+                               n_ff_exp=768, n_expert=128, n_expert_used=8, n_ctx=40960, n_ff=6144),
+    "qwen3-235b-a22b": SynthSpec(n_vocab=151936, n_embd=4096, n_layer=94, n_head=64, n_head_kv=4, head_dim=128,
+                                 n_ff_exp=1536, n_expert=128, n_expert_used=8, n_ctx=40960, n_ff=12288),
+    "tiny": SynthSpec(n_vocab=512, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32,
+                      n_ff_exp=64, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, n_ff=256),
+}
+
+
+def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, merged_gate_up=False,
+                tied_output=False):
+    """[(name, numpy-order shape, type)] in the order llama.cpp's converter writes them."""
+    d, E, ff = s.n_embd, s.n_expert, s.n_ff_exp
+    plan = [("token_embd.weight", (s.n_vocab, d), embd_type or qtype)]
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        plan += [
+            (b + "attn_norm.weight", (d,), "f32"),
+            (b + "attn_q.weight", (s.n_head * s.head_dim, d), qtype),
+            (b + "attn_k.weight", (s.n_head_kv * s.head_dim, d), qtype),
+            (b + "attn_v.weight", (s.n_head_kv * s.head_dim, d), qtype),
+            (b + "attn_output.weight", (d, s.n_head * s.head_dim), qtype),
+            (b + "attn_q_norm.weight", (s.head_dim,), "f32"),
+            (b + "attn_k_norm.weight", (s.head_dim,), "f32"),
+            (b + "ffn_norm.weight", (d,), "f32"),
+            (b + "ffn_gate_inp.weight", (E, d), "f32"),   # llama-quantize keeps the router in F32
+        ]
+        if merged_gate_up:
+            plan.append((b + "ffn_gate_up_exps.weight", (E, 2 * ff, d), qtype))
+        else:
+            plan += [(b + "ffn_gate_exps.weight", (E, ff, d), qtype), (b + "ffn_up_exps.weight", (E, ff, d), qtype)]
+        plan.append((b + "ffn_down_exps.weight", (E, d, ff), qtype))
+    plan.append(("output_norm.weight", (d,), "f32"))
+    if not tied_output:
+        plan.append(("output.weight", (s.n_vocab, d), output_type or qtype))
+    return plan
+
+
+def nbytes_of(shape, t: str) -> int:
+    if t in QUANT_TYPES:
+        q = QUANT_TYPES[t]
+        return int(np.prod(shape[:-1])) * q.row_bytes(shape[-1])
+    return int(np.prod(shape)) * (4 if t == "f32" else 2)
+
+
+def _byte_shape(shape, t: str):
+    if t in QUANT_TYPES:
+        return (*shape[:-1], QUANT_TYPES[t].row_bytes(shape[-1]))
+    return shape
+
+
+def _np_dtype(t: str):
+    return {"f32": np.float32, "f16": np.float16}.get(t, np.uint8)
+
+
+class _Weights:
+    """Scales that keep activations O(1) through the graph, and a router that may be skewed."""
+
+    def __init__(self, spec: SynthSpec, seed: int, skewed_router: bool):
+        self.spec, self.seed, self.skewed = spec, seed, skewed_router
+
+    def rng(self, name: str) -> np.random.Generator:
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def std(self, name: str, shape) -> float:
+        if name == "token_embd.weight":
+            return 1.0
+        if name == "output.weight":
+            return 1.0 / np.sqrt(shape[-1])   # logits spread ~1: softer, like a trained model's
+        if name.endswith("ffn_gate_inp.weight"):
+            return 2.0 / np.sqrt(shape[-1])
+        return 1.0 / np.sqrt(shape[-1])
+
+    def small(self, name: str, shape) -> np.ndarray:
+        """Norm weights and the router: always float32, always drawn."""
+        rng = self.rng(name)
+        if len(shape) == 1:
+            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        w = rng.standard_normal(shape) * self.std(name, shape)
+        if self.skewed:
+            # Every token embedding shares a positive component on every 32nd coordinate
+            # (see skew_embedding); router rows that point along it win top-k for most
+            # tokens: expert 0 most, the next ones less (shift ~8 / (1 + e)^0.7 logits).
+            n_shared = shape[1] // 32
+            shift = 8.0 / (1.0 + np.arange(shape[0])) ** 0.7
+            w[:, ::32] += (shift / (1.5 * n_shared))[:, None]
+        return w.astype(np.float32)
+
+    @staticmethod
+    def skew_embedding(blocks: np.ndarray, t: str) -> np.ndarray:
+        """Raise value 0 of every block to the format's largest positive quant (scales
+        are positive): the shared component the skewed router keys on."""
+        b = blocks.reshape(-1, QUANT_TYPES[t].block_bytes).copy() if t in QUANT_TYPES else blocks
+        if t == "q4_0":
+            b[:, 2] = (b[:, 2] & 0xF0) | 0x0F
+        elif t == "q8_0":
+            b[:, 2] = 127
+        return b.reshape(-1)
+
+    def float_tensor(self, name: str, shape, t: str) -> np.ndarray:
+        w = (self.rng(name).standard_normal(shape, dtype=np.float32) * np.float32(self.std(name, shape)))
+        if self.skewed and name == "token_embd.weight":
+            w[:, ::32] = np.abs(w[:, ::32]) + 1.5
+        if t in QUANT_TYPES:
+            from gguf import quants
+            return quants.quantize(w.reshape(-1, shape[-1]), QUANT_TYPES[t].ggml_type)
+        return w.astype(_np_dtype(t))
+
+
+class _BlockPool:
+    """Random valid blocks of one type (or unit normals of a float type); tensors are
+    copied out of it from random block offsets, wrapping around."""
+
+    POOL_BYTES = 48 << 20
+
+    def __init__(self, t: str, rng: np.random.Generator):
+        from .reference import random_blocks
+        self.t = t
+        if t in QUANT_TYPES:
+            q = QUANT_TYPES[t]
+            nb = self.POOL_BYTES // q.block_bytes
+            self.unit = q.block_bytes
+            self.pool = random_blocks(t, 1, nb * q.block_values, rng).reshape(-1)
+        else:
+            dt = _np_dtype(t)
+            self.unit = np.dtype(dt).itemsize
+            n = self.POOL_BYTES // self.unit
+            self.pool = (rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)).astype(dt).view(np.uint8)
+
+    def chunks(self, nbytes: int, rng: np.random.Generator, chunk=64 << 20):
+        units = len(self.pool) // self.unit
+        at = int(rng.integers(0, units)) * self.unit
+        left = nbytes
+        while left:
+            n = min(left, chunk, len(self.pool) - at)
+            yield self.pool[at:at + n]
+            left -= n
+            at = (at + n) % len(self.pool)
+
+
+def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = "blocks", seed: int = 0,
+                   skewed_router: bool = False, embd_type=None, output_type=None, merged_gate_up: bool = False,
+                   tied_output: bool = False, name: str | None = None, progress=None) -> dict:
+    """Write the file, streaming tensor by tensor; returns sizes and the time taken."""
+    import gguf
+    for t in (qtype, embd_type or qtype, output_type or qtype):
+        if t not in TYPES:
+            raise ValueError(f"type {t!r}: synth writes {', '.join(TYPES)}")
+    if source not in ("blocks", "float"):
+        raise ValueError(f"source must be 'blocks' or 'float', got {source!r}")
+    plan = tensor_plan(spec, qtype, embd_type=embd_type, output_type=output_type,
+                       merged_gate_up=merged_gate_up, tied_output=tied_output)
+    t0 = time.perf_counter()
+    tmp = f"{path}.tmp{os.getpid()}"
+    w = gguf.GGUFWriter(tmp, ARCH)
+    _add_metadata(w, spec, qtype, name or f"moeforge-synth {qtype}")
+    add_tokenizer(w, spec.n_vocab, seed)
+    total = 0
+    for tname, shape, t in plan:
+        nb = nbytes_of(shape, t)
+        total += nb
+        raw_dtype = None if t in ("f32", "f16") else QUANT_TYPES[t].ggml_type
+        w.add_tensor_info(tname, _byte_shape(shape, t), _np_dtype(t), nb, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]
+    weights = _Weights(spec, seed, skewed_router)
+    pools: dict[str, _BlockPool] = {}
+    rng = np.random.default_rng(seed)
+    for i, (tname, shape, t) in enumerate(plan):
+        w.write_padding(fout, fout.tell())
+        nb = nbytes_of(shape, t)
+        if t == "f32" and (len(shape) == 1 or tname.endswith("ffn_gate_inp.weight")):
+            fout.write(weights.small(tname, shape).tobytes())
+        elif source == "float":
+            fout.write(np.ascontiguousarray(weights.float_tensor(tname, shape, t)).tobytes())
+        else:
+            pool = pools.get(t) or pools.setdefault(t, _BlockPool(t, rng))
+            skew = skewed_router and tname == "token_embd.weight" and t in QUANT_TYPES
+            for c in pool.chunks(nb, rng):
+                fout.write(memoryview(_Weights.skew_embedding(c, t) if skew else c))
+        w.write_padding(fout, nb)
+        if progress:
+            progress(i + 1, len(plan), tname)
+    w.close()
+    os.replace(tmp, path)
+    dt = time.perf_counter() - t0
+    size = os.path.getsize(path)
+    return {"path": str(path), "bytes": size, "tensor_bytes": total, "seconds": dt,
+            "gb_per_s": size / dt / 1e9, "tensors": len(plan)}
+
+
+def _add_metadata(w, s: SynthSpec, qtype: str, name: str) -> None:
+    w.add_name(name)
+    w.add_file_type(FILE_TYPE[qtype])
+    w.add_quantization_version(2)
+    w.add_context_length(s.n_ctx)
+    w.add_embedding_length(s.n_embd)
+    w.add_feed_forward_length(s.n_ff or s.n_ff_exp * s.n_expert_used)
+    w.add_block_count(s.n_layer)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(s.rope_base)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_expert_count(s.n_expert)
+    w.add_expert_used_count(s.n_expert_used)
+    w.add_expert_feed_forward_length(s.n_ff_exp)
+
+
+def preset(name: str, **overrides) -> SynthSpec:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    base = PRESETS[name]
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def describe(spec: SynthSpec) -> str:
+    return ", ".join(f"{k}={v}" for k, v in asdict(spec).items())

@@ -1,0 +1,181 @@
+"""qwen3moe (the Qwen3-30B-A3B family) as GGUF stores it: hyperparameters from the
+`qwen3moe.*` metadata, the tensors each layer must hold, and the weights as the graph
+uses them (expert gate and up merged into one tensor where their types agree).
+
+Names and keys are those llama.cpp's converter writes, so a real Qwen3-MoE GGUF and a
+file from `moeforge synth` load alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gguf_file import FLOAT_TYPES, Expect, GGUFError, GGUFFile, TensorRef, check_tensors
+
+ARCH = "qwen3moe"
+NORM_TYPES = ("f32",)
+ROUTER_TYPES = ("f32", "f16")
+
+
+@dataclass(frozen=True)
+class HParams:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff_exp: int
+    n_expert: int
+    n_expert_used: int
+    rms_eps: float
+    rope_base: float
+    n_ctx_train: int
+    expert_weights_scale: float = 0.0   # 0 or 1: no scaling (llama.cpp's convention)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
+def read_hparams(f: GGUFFile) -> HParams:
+    if f.architecture != ARCH:
+        raise GGUFError(f"{f.path}: general.architecture is {f.architecture!r}, expected {ARCH!r}")
+    a = ARCH
+    need = lambda key: f.get(f"{a}.{key}", required=True, kind=int)  # noqa: E731
+    n_embd, n_layer = need("embedding_length"), need("block_count")
+    n_head, n_head_kv = need("attention.head_count"), need("attention.head_count_kv")
+    n_expert, n_used = need("expert_count"), need("expert_used_count")
+    for key, v in (("embedding_length", n_embd), ("block_count", n_layer), ("attention.head_count", n_head),
+                   ("attention.head_count_kv", n_head_kv), ("expert_count", n_expert),
+                   ("expert_used_count", n_used)):
+        if v <= 0:
+            raise GGUFError(f"{f.path}: metadata key {a}.{key} must be positive, got {v}")
+    if n_head % n_head_kv:
+        raise GGUFError(f"{f.path}: {a}.attention.head_count ({n_head}) is not a multiple of "
+                        f"head_count_kv ({n_head_kv})")
+    if n_used > n_expert:
+        raise GGUFError(f"{f.path}: {a}.expert_used_count ({n_used}) exceeds expert_count ({n_expert})")
+    head_dim = f.get(f"{a}.attention.key_length", n_embd // n_head, kind=int)
+    v_dim = f.get(f"{a}.attention.value_length", head_dim, kind=int)
+    if v_dim != head_dim or head_dim % 2:
+        raise GGUFError(f"{f.path}: {a}.attention.key_length ({head_dim}) and value_length ({v_dim}) must be "
+                        f"equal and even")
+    rot = f.get(f"{a}.rope.dimension_count", head_dim, kind=int)
+    if rot != head_dim:
+        raise GGUFError(f"{f.path}: {a}.rope.dimension_count ({rot}) must equal the head size ({head_dim})")
+    n_ff = f.get(f"{a}.expert_feed_forward_length", None, kind=int)
+    if n_ff is None:  # llama.cpp's fallback for files without the expert key
+        n_ff = f.get(f"{a}.feed_forward_length", required=True, kind=int) // n_used
+    tok = f.tensors.get("token_embd.weight")
+    if tok is None or len(tok.shape) != 2:
+        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing or not a matrix")
+    return HParams(
+        n_vocab=tok.shape[0], n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim=head_dim, n_ff_exp=n_ff, n_expert=n_expert, n_expert_used=n_used,
+        rms_eps=f.get(f"{a}.attention.layer_norm_rms_epsilon", required=True, kind=float),
+        rope_base=f.get(f"{a}.rope.freq_base", 10000.0, kind=float),
+        n_ctx_train=f.get(f"{a}.context_length", 4096, kind=int),
+        expert_weights_scale=f.get(f"{a}.expert_weights_scale", 0.0, kind=float),
+    )
+
+
+def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
+    d, E, ff = hp.n_embd, hp.n_expert, hp.n_ff_exp
+    ex = {
+        "token_embd.weight": Expect((hp.n_vocab, d)),
+        "output_norm.weight": Expect((d,), NORM_TYPES),
+        "output.weight": Expect((hp.n_vocab, d), required=False),   # absent: tied to the embedding
+    }
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        ex.update({
+            b + "attn_norm.weight": Expect((d,), NORM_TYPES),
+            b + "attn_q.weight": Expect((hp.q_dim, d)),
+            b + "attn_k.weight": Expect((hp.kv_dim, d)),
+            b + "attn_v.weight": Expect((hp.kv_dim, d)),
+            b + "attn_output.weight": Expect((d, hp.q_dim)),
+            b + "attn_q_norm.weight": Expect((hp.head_dim,), NORM_TYPES),
+            b + "attn_k_norm.weight": Expect((hp.head_dim,), NORM_TYPES),
+            b + "ffn_norm.weight": Expect((d,), NORM_TYPES),
+            b + "ffn_gate_inp.weight": Expect((E, d), ROUTER_TYPES),
+            b + "ffn_down_exps.weight": Expect((E, d, ff)),
+        })
+        if b + "ffn_gate_up_exps.weight" in f.tensors:
+            ex[b + "ffn_gate_up_exps.weight"] = Expect((E, 2 * ff, d))
+        else:
+            ex[b + "ffn_gate_exps.weight"] = Expect((E, ff, d))
+            ex[b + "ffn_up_exps.weight"] = Expect((E, ff, d))
+    return ex
+
+
+def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
+    """(E, ff, k) gate and up -> (E, 2*ff, k), gate rows first: one GEMM instead of two.
+    The concatenation is the one host copy these bytes make."""
+    E, ff, k = gate.shape
+
+    def load():
+        g, u = gate.load(), up.load()
+        return np.concatenate([g.reshape(E, ff, -1), u.reshape(E, ff, -1)], axis=1).reshape(E * 2 * ff, -1)
+
+    return TensorRef(name, gate.qtype, (E, 2 * ff, k), load)
+
+
+@dataclass
+class LayerRefs:
+    attn_norm: TensorRef
+    wq: TensorRef
+    wk: TensorRef
+    wv: TensorRef
+    wo: TensorRef
+    q_norm: TensorRef
+    k_norm: TensorRef
+    ffn_norm: TensorRef
+    router: TensorRef
+    down: TensorRef
+    gate_up: TensorRef | None = None      # merged, gate rows first
+    gate: TensorRef | None = None         # separate, where types differ
+    up: TensorRef | None = None
+
+
+@dataclass
+class ModelRefs:
+    hp: HParams
+    tok_embd: TensorRef
+    output_norm: TensorRef
+    output: TensorRef          # the embedding itself when the file ties them
+    layers: list[LayerRefs]
+
+
+def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
+    """Validate everything, read nothing: a wrong file fails before any upload."""
+    hp = read_hparams(f)
+    check_tensors(f, expected_tensors(hp, f))
+    T = f.tensors
+    for name in T:
+        if T[name].qtype in FLOAT_TYPES or T[name].quantized:
+            continue
+        raise GGUFError(f"{f.path}: tensor {name!r} is {T[name].qtype}, which moeforge cannot run")
+    layers = []
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        L = LayerRefs(T[b + "attn_norm.weight"], T[b + "attn_q.weight"], T[b + "attn_k.weight"],
+                      T[b + "attn_v.weight"], T[b + "attn_output.weight"], T[b + "attn_q_norm.weight"],
+                      T[b + "attn_k_norm.weight"], T[b + "ffn_norm.weight"], T[b + "ffn_gate_inp.weight"],
+                      T[b + "ffn_down_exps.weight"])
+        if b + "ffn_gate_up_exps.weight" in T:
+            L.gate_up = T[b + "ffn_gate_up_exps.weight"]
+        else:
+            g, u = T[b + "ffn_gate_exps.weight"], T[b + "ffn_up_exps.weight"]
+            if merge and g.qtype == u.qtype:
+                L.gate_up = merge_gate_up(g, u, b + "ffn_gate_up_exps.weight")
+            else:
+                L.gate, L.up = g, u
+        layers.append(L)
+    output = T.get("output.weight", T["token_embd.weight"])
+    return ModelRefs(hp, T["token_embd.weight"], T["output_norm.weight"], output, layers)

@@ -1,0 +1,97 @@
+"""What a model graph needs from a backend, and the parts numpy and CuPy share.
+
+A backend owns its weights' device form (`matrix`, `vector`), the KV cache, and the ops
+the graph calls. Ops take a buffer name: a backend may hand back the same preallocated
+buffer for the same name and shape every time (CUDA, for graph capture) or a fresh array
+(numpy). Methods ending in `_` work in place on their first argument.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .arch_qwen3moe import HParams, ModelRefs
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: object
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    q_norm: object
+    k_norm: object
+    ffn_norm: object
+    router: object
+    down: object
+    gate_up: object = None
+    gate: object = None
+    up: object = None
+
+
+@dataclass
+class Weights:
+    tok_embd: object
+    output_norm: object
+    output: object
+    layers: list[LayerWeights]
+
+
+class KVCache:
+    """F32 keys and values, (n_layer, n_ctx, kv_dim) each, like llama.cpp with an F32 cache."""
+
+    def __init__(self, xp, hp: HParams, n_ctx: int):
+        self.n_ctx = n_ctx
+        self.k = xp.zeros((hp.n_layer, n_ctx, hp.kv_dim), dtype=np.float32)
+        self.v = xp.zeros((hp.n_layer, n_ctx, hp.kv_dim), dtype=np.float32)
+
+
+class Backend:
+    name = "?"
+    xp = np
+
+    def __init__(self, hp: HParams):
+        self.hp = hp
+
+    # -- weights ---------------------------------------------------------------------------
+    def matrix(self, ref):
+        raise NotImplementedError
+
+    def vector(self, ref):
+        return self.xp.asarray(np.asarray(ref.load(), dtype=np.float32))
+
+    def upload(self, refs: ModelRefs, progress=None) -> Weights:
+        """Layer by layer, so that at most one layer's merged host copy exists at a time."""
+        M, V = self.matrix, self.vector
+        tok = M(refs.tok_embd, embedding=True)
+        out = tok if refs.output is refs.tok_embd else M(refs.output)
+        layers = []
+        for i, L in enumerate(refs.layers):
+            layers.append(LayerWeights(
+                V(L.attn_norm), M(L.wq), M(L.wk), M(L.wv), M(L.wo), V(L.q_norm), V(L.k_norm),
+                V(L.ffn_norm), M(L.router), M(L.down),
+                gate_up=M(L.gate_up) if L.gate_up else None,
+                gate=M(L.gate) if L.gate else None, up=M(L.up) if L.up else None))
+            if progress:
+                progress(i + 1, len(refs.layers))
+        return Weights(tok, V(refs.output_norm), out, layers)
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.xp, self.hp, n_ctx)
+
+    # -- host <-> device ---------------------------------------------------------------------
+    def context(self):
+        """Entered around every evaluation (the CUDA backend's stream)."""
+        return contextlib.nullcontext()
+
+    def to_device(self, a: np.ndarray, name: str):
+        return self.xp.asarray(a)
+
+    def to_host(self, a) -> np.ndarray:
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        pass

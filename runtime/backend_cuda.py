@@ -1,0 +1,240 @@
+"""The CUDA backend: quantized products through moeforge's kernels (runtime.ops), the rest
+through the small kernels of runtime.model_kernels, attention over many tokens through
+CuPy (cuBLAS).
+
+Every op writes into a named, grow-only device buffer, and everything runs on one stream.
+A decode step (one token) therefore allocates nothing and never waits for the host: it is
+captured once as a CUDA graph and replayed at every position (the token and position live
+in device memory). The graph is captured again whenever a buffer it uses was reallocated.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from . import dispatch, ops
+from .backend import Backend, KVCache
+from .device import require_gpu
+from .model_kernels import MAX_EXPERTS, MAX_HEAD_DIM, SOURCE
+from .tensor import QuantTensor
+
+_i32, _f32 = np.int32, np.float32
+SMALL_N = 16    # float products up to this many tokens use dense_f32, not cuBLAS
+
+
+class GpuWeight:
+    def __init__(self, qtype: str, shape, q: QuantTensor | None = None, f=None):
+        self.qtype, self.shape, self.q, self.f = qtype, tuple(shape), q, f
+
+
+def _grid(total: int, block: int = 256) -> tuple[int]:
+    return (max(1, -(-int(total) // block)),)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, hp):
+        cp = require_gpu("the cuda backend")
+        super().__init__(hp)
+        if hp.n_expert > MAX_EXPERTS or hp.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"the cuda backend handles up to {MAX_EXPERTS} experts and heads of up to "
+                             f"{MAX_HEAD_DIM}; this model has {hp.n_expert} and {hp.head_dim}")
+        self.cp = self.xp = cp
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._module = None
+        self._bufs: dict[str, object] = {}
+        self.generation = 0          # bumped whenever a buffer is (re)allocated
+        self.use_graphs = True
+        self._graph = self._graph_key = self._graph_out = self._warm_key = None
+        self._step_in = None
+
+    def context(self):
+        return self.stream
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def kernel(self, name: str):
+        if self._module is None:
+            self._module = self.cp.RawModule(code=SOURCE, options=("-std=c++14",))
+        return self._module.get_function(name)
+
+    def ws(self, name: str, shape, dtype=np.float32):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        buf = self._bufs.get(name)
+        if buf is None or buf.nbytes < n:
+            self._bufs[name] = buf = self.cp.empty(max(n, 256), dtype=self.cp.uint8)
+            self.generation += 1
+        return buf[:n].view(dtype).reshape(shape)
+
+    def to_device(self, a: np.ndarray, name: str):
+        buf = self.ws(name, a.shape, a.dtype)
+        buf.set(np.ascontiguousarray(a), stream=self.stream)
+        return buf
+
+    def to_host(self, a) -> np.ndarray:
+        return a.get(stream=self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        with self.stream:
+            cache = KVCache(self.cp, self.hp, n_ctx)
+        self.generation += 1
+        return cache
+
+    # -- weights ------------------------------------------------------------------------------
+    def matrix(self, ref, embedding: bool = False):
+        if ref.quantized:
+            if embedding and ref.qtype not in ("q4_0", "q8_0"):
+                raise ValueError(f"{ref.name}: embedding rows of {ref.qtype} cannot be read on the GPU yet")
+            return GpuWeight(ref.qtype, ref.shape, q=QuantTensor.from_blocks(ref.load(), ref.qtype, ref.shape))
+        from .backend_numpy import _float_rows
+        host = _float_rows(np.asarray(ref.load()).reshape(-1, ref.shape[-1]), ref.qtype).reshape(ref.shape)
+        return GpuWeight(ref.qtype, ref.shape, f=self.cp.asarray(host))
+
+    # -- ops ------------------------------------------------------------------------------------
+    def embed(self, w: GpuWeight, tokens, name):
+        n, k = tokens.shape[0], w.shape[-1]
+        out = self.ws(name, (n, k))
+        if w.q is None:
+            self.cp.take(w.f, tokens, axis=0, out=out)
+        else:
+            self.kernel(f"get_rows_{w.qtype}")((-(-k // 256), n), (256,), (
+                np.uint64(w.q.qs_ptr()), np.uint64(w.q.meta_ptr()), _i32(w.q.nb), _i32(w.q.meta_stride),
+                tokens, out, _i32(k)))
+        return out
+
+    def rms_norm(self, x, w, eps, name):
+        out = self.ws(name, x.shape)
+        d = x.shape[-1]
+        self.kernel("rms_norm")((x.size // d,), (256,), (x, w, out, _i32(d), _f32(eps)))
+        return out
+
+    def head_norm_(self, x, w, n_heads, eps):
+        hd = x.shape[-1] // n_heads
+        self.kernel("rms_norm")((x.size // hd,), (min(256, 32 * -(-hd // 32)),), (x, w, x, _i32(hd), _f32(eps)))
+
+    def rope_(self, x, pos, n_heads, base):
+        n, hd = x.shape[0], x.shape[1] // n_heads
+        total = n * n_heads * (hd // 2)
+        self.kernel("rope_neox")(_grid(total), (256,), (x, pos, _i32(n), _i32(n_heads), _i32(hd),
+                                                        _f32(math.log2(base))))
+
+    def attention(self, cache, il, q, k, v, pos, pos0, n, name):
+        hp, cp = self.hp, self.cp
+        kc, vc = cache.k[il], cache.v[il]
+        self.kernel("kv_store")(_grid(n * hp.kv_dim), (256,), (k, v, kc, vc, pos, _i32(n), _i32(hp.kv_dim)))
+        scale = 1.0 / math.sqrt(hp.head_dim)
+        if n == 1:   # the decode step: the number of cached positions is read on the device
+            out = self.ws(name, (1, hp.q_dim))
+            scores = self.ws("scores", (hp.n_head, cache.n_ctx))
+            self.kernel("attn_decode")((hp.n_head,), (128,), (
+                q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
+                _i32(hp.head_dim), _f32(scale)))
+            return out
+        L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
+        g = hp.n_head // hkv
+        K = kc[:L].reshape(L, hkv, hd).transpose(1, 2, 0)
+        V = vc[:L].reshape(L, hkv, hd).transpose(1, 0, 2)
+        qh = q.reshape(n, hkv, g, hd).transpose(1, 2, 0, 3).reshape(hkv, g * n, hd)
+        s = cp.matmul(qh, K).reshape(hkv, g, n, L) * _f32(scale)
+        causal = cp.arange(L)[None, :] > (pos0 + cp.arange(n))[:, None]
+        s = cp.where(causal, _f32(-np.inf), s)
+        s -= s.max(axis=-1, keepdims=True)
+        p = cp.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        o = cp.matmul(p.reshape(hkv, g * n, L), V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
+        return cp.ascontiguousarray(o.reshape(n, hp.q_dim))
+
+    def matmul(self, w: GpuWeight, x, name):
+        n, k = x.shape
+        m = w.shape[0]
+        out = self.ws(name, (n, m))
+        if w.q is not None:
+            ops.run_mul_mat(w.q, x, out, dispatch.choose_mul_mat(w.qtype, m, k, n))
+        elif n <= SMALL_N:
+            self.kernel("dense_f32")((-(-m // 8), n), (256,), (w.f, x, out, _i32(m), _i32(k)))
+        else:
+            self.cp.matmul(x, w.f.T, out=out)
+        return out
+
+    def mul_mat_id(self, w: GpuWeight, x, ids, name):
+        n, top_k = ids.shape
+        E, m, k = w.shape
+        out = self.ws(name, (n, top_k, m))
+        if w.q is not None:
+            ops.run_mul_mat_id(w.q, x, ids, out, dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n))
+            return out
+        # float experts: test models only (a warp per output, no tensor cores)
+        x_div = top_k if x.ndim == 2 else 1
+        self.kernel("dense_f32_id")((-(-m // 8), n * top_k), (256,), (w.f, x, ids, out, _i32(m), _i32(k),
+                                                                      _i32(x_div)))
+        return out
+
+    def route(self, logits, top_k, scale):
+        n, E = logits.shape
+        ids = self.ws("ids", (n, top_k), np.int32)
+        wts = self.ws("wts", (n, top_k))
+        self.kernel("route_topk")(_grid(n, 128), (128,), (logits, _i32(n), _i32(E), _i32(top_k), _f32(scale),
+                                                           ids, wts))
+        return ids, wts
+
+    def swiglu(self, gu, name):
+        *lead, two_ff = gu.shape
+        ff = two_ff // 2
+        out = self.ws(name, (*lead, ff))
+        rows = out.size // ff
+        self.kernel("swiglu")(_grid(out.size), (256,), (gu, out, np.int64(rows), _i32(ff)))
+        return out
+
+    def swiglu_split(self, g, u, name):
+        out = self.ws(name, g.shape)
+        self.kernel("swiglu_split")(_grid(out.size), (256,), (g, u, out, np.int64(out.size)))
+        return out
+
+    def moe_combine_(self, x, y, wts):
+        n, top_k, d = y.shape
+        self.kernel("moe_combine")(_grid(n * d), (256,), (x, y, wts, _i32(n), _i32(top_k), _i32(d)))
+
+    def add_(self, x, y):
+        self.cp.add(x, y, out=x)
+
+    # -- the decode step as a CUDA graph ----------------------------------------------------------
+    def _layout_key(self, model):
+        """Everything the captured graph points at: our buffers, the cache, ops' workspace."""
+        opsws = tuple(sorted((str(k), v.data.ptr, v.nbytes) for k, v in ops.WORKSPACE._bufs.items()))
+        return (id(model.cache), self.generation, opsws)
+
+    def decode_step(self, model, token: int, pos0: int):
+        if self._step_in is None:
+            self._step_in = self.ws("step_in", (2,), np.int32)
+        self._step_in.set(np.array([token, pos0], dtype=np.int32), stream=self.stream)
+        tok, pos = self._step_in[0:1], self._step_in[1:2]
+        key = self._layout_key(model)
+        if self.use_graphs and self._graph is not None and self._graph_key == key:
+            self._graph.launch(self.stream)
+            return self._graph_out
+        if not self.use_graphs or self._warm_key != key:
+            # eager: compiles kernels and sizes every buffer the graph will use
+            out = model._forward(model, tok, pos, pos0, 1)
+            self._warm_key = self._layout_key(model)
+            return out
+        try:
+            self.stream.begin_capture()
+            try:
+                out = model._forward(model, tok, pos, pos0, 1)
+            finally:
+                graph = self.stream.end_capture()
+            if self._layout_key(model) != key:
+                raise RuntimeError("the decode step allocated a buffer while being captured")
+        except Exception as e:  # capture is an optimisation: run eagerly from now on
+            warnings.warn(f"moeforge: decode step not captured as a CUDA graph ({e}); running eagerly")
+            self.use_graphs = False
+            self._graph = None
+            return model._forward(model, tok, pos, pos0, 1)
+        self._graph, self._graph_key, self._graph_out = graph, key, out
+        graph.launch(self.stream)
+        return out

@@ -1,0 +1,190 @@
+"""The numpy backend: the model graph on the CPU, the ground truth for CI.
+
+Activations are float32 between ops (as on every ggml backend); each op computes in
+float64 and rounds once, so its own error is far below the float32 rounding llama.cpp
+makes. Two numerics for the quantized products:
+
+  "float"   weights dequantized to float32, activations as they are: what the model
+            means, and what llama.cpp computes with F32 weights;
+  "kernel"  activations quantized to q8_1 blocks first and multiplied block by block
+            against the integer quants, exactly as moeforge's GPU kernels do: the
+            prediction of the CUDA backend's result, to float32 rounding.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import quants
+
+from ..codegen.quant import QUANT_TYPES
+from .. import reference as ref
+from .backend import Backend
+
+NUMERICS = ("float", "kernel")
+_F64 = np.float64
+
+
+class NpMatrix:
+    """A weight (m, k) or (E, m, k): GGUF bytes kept as they are (a view of the mapped
+    file), dequantized to float32 on first use."""
+
+    def __init__(self, tref, numerics: str):
+        self.name, self.qtype, self.shape = tref.name, tref.qtype, tref.shape
+        self.raw = tref.load()
+        self.numerics = numerics
+        self._f32 = None
+        self._kernel = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype in QUANT_TYPES
+
+    def rows_f32(self, idx: np.ndarray) -> np.ndarray:
+        """Dequantize only the rows asked for (the embedding lookup)."""
+        if self._f32 is not None:
+            return self._f32.reshape(-1, self.shape[-1])[idx]
+        flat = self.raw.reshape(-1, self.raw.shape[-1])[idx]
+        if self.quantized:
+            return quants.dequantize(flat, QUANT_TYPES[self.qtype].ggml_type).astype(np.float32)
+        return _float_rows(flat, self.qtype)
+
+    @property
+    def f32(self) -> np.ndarray:
+        if self._f32 is None:
+            rows = int(np.prod(self.shape[:-1]))
+            self._f32 = self.rows_f32(np.arange(rows)).reshape(self.shape)
+        return self._f32
+
+    def kernel_view(self):
+        """(weights as the kernels scale them (rows, k) float64, per-block offsets (rows, nb))."""
+        if self._kernel is None:
+            q = QUANT_TYPES[self.qtype]
+            rows, k = int(np.prod(self.shape[:-1])), self.shape[-1]
+            ints, mul, add = ref._kernel_view(self.raw.reshape(rows, -1), q, rows, k)
+            w = (ints.reshape(rows, k // 32, 32) * mul[..., None].astype(_F64)).reshape(rows, k)
+            self._kernel = (w, add.astype(_F64))
+        return self._kernel
+
+    def product(self, x: np.ndarray, rows: slice | None = None) -> np.ndarray:
+        """x (n, k) float32 times the weight rows (all, or one expert's), in float64."""
+        if self.numerics == "kernel" and self.quantized:
+            w, add = self.kernel_view()
+            if rows is not None:
+                w, add = w[rows], add[rows]
+            xq, dx, sx = ref.quantize_q8_1(x)
+            nb = x.shape[-1] // 32
+            xdeq = (xq.reshape(-1, nb, 32).astype(_F64) * dx[..., None]).reshape(x.shape)
+            return xdeq @ w.T + sx.astype(_F64) @ add.T
+        w = self.f32.reshape(-1, self.shape[-1])
+        if rows is not None:
+            w = w[rows]
+        return x.astype(_F64) @ w.T.astype(_F64)
+
+
+def _float_rows(flat: np.ndarray, qtype: str) -> np.ndarray:
+    if qtype == "bf16":
+        return (flat.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return flat.astype(np.float32)
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    xp = np
+
+    def __init__(self, hp, numerics: str = "float"):
+        super().__init__(hp)
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        self.numerics = numerics
+
+    def matrix(self, tref, embedding: bool = False):
+        return NpMatrix(tref, self.numerics)
+
+    # -- ops ------------------------------------------------------------------------------------
+    def embed(self, w: NpMatrix, tokens, name):
+        return w.rows_f32(np.asarray(tokens))
+
+    def rms_norm(self, x, w, eps, name):
+        x64 = x.astype(_F64)
+        scale = 1.0 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)
+        return (x64 * scale * w).astype(np.float32)
+
+    def head_norm_(self, x, w, n_heads, eps):
+        n = x.shape[0]
+        x[...] = self.rms_norm(x.reshape(n * n_heads, -1), w, eps, None).reshape(x.shape)
+
+    def rope_(self, x, pos, n_heads, base):
+        """NEOX: pairs (i, i + d/2) rotate by pos * base^(-2i/d). The angles follow ggml's
+        float32 recurrence (theta *= base^(-2/d)), which is what llama.cpp's CPU uses."""
+        n = x.shape[0]
+        hd = x.shape[1] // n_heads
+        half = hd // 2
+        step = np.float32(base) ** np.float32(-2.0 / hd)
+        theta = np.empty((n, half), dtype=np.float32)
+        t = np.asarray(pos, dtype=np.float32)
+        for i in range(half):
+            theta[:, i] = t
+            t = (t * step).astype(np.float32)
+        c, s = np.cos(theta.astype(_F64))[:, None, :], np.sin(theta.astype(_F64))[:, None, :]
+        xh = x.reshape(n, n_heads, hd).astype(_F64)
+        x0, x1 = xh[..., :half], xh[..., half:]
+        out = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+        x[...] = out.reshape(x.shape).astype(np.float32)
+
+    def attention(self, cache, il, q, k, v, pos, pos0, n, name):
+        hp = self.hp
+        cache.k[il, pos0:pos0 + n] = k
+        cache.v[il, pos0:pos0 + n] = v
+        L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
+        K = cache.k[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
+        V = cache.v[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
+        qh = q.reshape(n, hp.n_head_kv, g, hd).astype(_F64)
+        s = np.einsum("nhgd,lhd->hgnl", qh, K) / np.sqrt(hd)
+        causal = np.arange(L)[None, :] > (pos0 + np.arange(n))[:, None]
+        s[..., causal] = -np.inf
+        s -= s.max(axis=-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        return np.einsum("hgnl,lhd->nhgd", p, V).reshape(n, hp.q_dim).astype(np.float32)
+
+    def matmul(self, w, x, name):
+        if isinstance(w, NpMatrix):
+            return w.product(x).astype(np.float32)
+        raise TypeError(f"not a weight: {type(w).__name__}")
+
+    def mul_mat_id(self, w: NpMatrix, x, ids, name):
+        """out[t, j] = W[ids[t, j]] @ x[t, j or 0], one expert at a time."""
+        n, top_k = ids.shape
+        E, m, k = w.shape
+        xs = np.repeat(x, top_k, axis=0) if x.ndim == 2 else x.reshape(n * top_k, k)
+        out = np.empty((n * top_k, m), dtype=np.float32)
+        flat = ids.reshape(-1)
+        for e in np.unique(flat):
+            sel = np.nonzero(flat == e)[0]
+            out[sel] = w.product(xs[sel], slice(int(e) * m, (int(e) + 1) * m))
+        return out.reshape(n, top_k, m)
+
+    def route(self, logits, top_k, scale):
+        z = logits.astype(_F64)
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        p = (p / p.sum(axis=-1, keepdims=True)).astype(np.float32)
+        ids = np.argsort(-p, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+        w = np.take_along_axis(p, ids, axis=-1).astype(_F64)
+        w /= np.maximum(w.sum(axis=-1, keepdims=True), 6.103515625e-5)
+        if scale not in (0.0, 1.0):
+            w *= scale
+        return ids, w.astype(np.float32)
+
+    def swiglu(self, gu, name):
+        ff = gu.shape[-1] // 2
+        return self.swiglu_split(gu[..., :ff], gu[..., ff:], name)
+
+    def swiglu_split(self, g, u, name):
+        g64 = g.astype(_F64)
+        return (g64 / (1.0 + np.exp(-g64)) * u).astype(np.float32)
+
+    def moe_combine_(self, x, y, wts):
+        s = np.einsum("ntd,nt->nd", y.astype(_F64), wts.astype(_F64))
+        x[...] = (x.astype(_F64) + s).astype(np.float32)
+
+    def add_(self, x, y):
+        x += y

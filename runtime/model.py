@@ -1,0 +1,162 @@
+"""Model: a GGUF model loaded on a backend, with a KV cache.
+
+`logits` evaluates a sequence in a fresh context; `eval` appends to the current one
+(what generation and the benchmarks use); `perplexity` follows llama.cpp's recipe.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from . import arch_qwen3moe, graph_qwen3moe
+from .gguf_file import GGUFError, GGUFFile
+
+ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe)}
+BACKENDS = ("cuda", "numpy")
+
+
+class Model:
+    def __init__(self, f: GGUFFile, backend: str = "cuda", *, n_ctx: int | None = None, n_ubatch: int = 512,
+                 numerics: str = "float", merge_gate_up: bool = True, progress=None):
+        arch_name = f.architecture
+        if arch_name not in ARCHS:
+            raise GGUFError(f"{f.path}: architecture {arch_name!r} is not supported (moeforge runs "
+                            f"{', '.join(ARCHS)})")
+        arch, graph = ARCHS[arch_name]
+        self._forward = graph.forward
+        refs = arch.open_model(f, merge=merge_gate_up)   # validates everything before any upload
+        self.file, self.path, self.arch, self.hp = f, f.path, arch_name, refs.hp
+        if backend == "numpy":
+            from .backend_numpy import NumpyBackend
+            self.backend = NumpyBackend(self.hp, numerics)
+        elif backend == "cuda":
+            from .backend_cuda import CudaBackend
+            self.backend = CudaBackend(self.hp)
+        else:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.weights = self.backend.upload(refs, progress)
+        self.n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+        self.n_bytes = sum(t.nbytes for t in f.tensors.values())
+        self.n_ubatch = n_ubatch
+        self.n_ctx = n_ctx or min(self.hp.n_ctx_train, 4096)
+        self.cache = self.backend.new_cache(self.n_ctx)
+        self.n_past = 0
+        self._tokenizer = None
+
+    # -- contexts -----------------------------------------------------------------------------
+    def reset(self, n_ctx: int | None = None) -> None:
+        """Empty the context; a larger n_ctx reallocates the cache."""
+        if n_ctx is not None and n_ctx > self.cache.n_ctx:
+            self.cache = None
+            self.cache = self.backend.new_cache(n_ctx)
+            self.n_ctx = n_ctx
+        self.n_past = 0
+
+    def _check_tokens(self, ids) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"token ids must be a 1-D sequence of integers, got shape {ids.shape} {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.hp.n_vocab):
+            raise ValueError(f"token ids must be in [0, {self.hp.n_vocab}), got [{ids.min()}, {ids.max()}]")
+        return ids.astype(np.int32)
+
+    def eval(self, token_ids, *, want_logits: bool = True, last_only: bool = False):
+        """Append tokens to the context (in ubatches); float32 logits (n, n_vocab) on the
+        host, those of the last token only (1, n_vocab), or None where want_logits is False
+        (the benchmarks: then only the last token's logits are computed, as llama.cpp does)."""
+        ids = self._check_tokens(token_ids)
+        if self.n_past + ids.size > self.cache.n_ctx:
+            raise ValueError(f"context full: {self.n_past} + {ids.size} tokens > n_ctx {self.cache.n_ctx}")
+        outs = []
+        with self.backend.context():
+            for lo in range(0, ids.size, self.n_ubatch):
+                final = lo + self.n_ubatch >= ids.size
+                out = self._step(ids[lo:lo + self.n_ubatch], last_only=last_only or not want_logits)
+                if want_logits and (final or not last_only):
+                    outs.append(self.backend.to_host(out))
+        if not want_logits:
+            return None
+        if not outs:
+            return np.zeros((0, self.hp.n_vocab), dtype=np.float32)
+        return np.concatenate(outs).astype(np.float32, copy=False)
+
+    def _step(self, ids: np.ndarray, last_only: bool = False):
+        n, pos0 = ids.size, self.n_past
+        step = getattr(self.backend, "decode_step", None)
+        if n == 1 and step is not None:
+            out = step(self, int(ids[0]), pos0)
+        else:
+            B = self.backend
+            tokens = B.to_device(ids, "tokens")
+            pos = B.to_device(np.arange(pos0, pos0 + n, dtype=np.int32), "pos")
+            out = self._forward(self, tokens, pos, pos0, n, last_only)
+        self.n_past += n
+        return out
+
+    # -- the public API ---------------------------------------------------------------------
+    def logits(self, token_ids) -> np.ndarray:
+        """float32 (n_tokens, n_vocab): the logits after every position, in a fresh context."""
+        ids = self._check_tokens(token_ids)
+        self.reset(max(ids.size, 1))
+        return self.eval(ids)
+
+    def generate(self, prompt_ids, n: int) -> list[int]:
+        """Greedy: the n tokens that follow the prompt."""
+        ids = self._check_tokens(prompt_ids)
+        if ids.size == 0:
+            raise ValueError("the prompt must hold at least one token")
+        self.reset(ids.size + n)
+        last = self.eval(ids, last_only=True)[-1]
+        out = []
+        for _ in range(n):
+            tok = int(np.argmax(last))
+            out.append(tok)
+            if len(out) == n:
+                break
+            last = self.eval([tok])[-1]
+        return out
+
+    def perplexity(self, token_ids, ctx: int = 512) -> dict:
+        """llama.cpp's recipe: chunks of ctx tokens, each in a fresh context, scoring only
+        the second half of each chunk (the first half gives the context)."""
+        ids = self._check_tokens(token_ids)
+        n_chunks = ids.size // ctx
+        if ctx < 4 or n_chunks == 0:
+            raise ValueError(f"need at least one chunk of ctx={ctx} tokens (ctx >= 4), got {ids.size} tokens")
+        nll, count, per_chunk = 0.0, 0, []
+        first = ctx // 2
+        for c in range(n_chunks):
+            chunk = ids[c * ctx:(c + 1) * ctx]
+            logits = self.logits(chunk).astype(np.float64)
+            z = logits[first:-1]
+            lse = np.log(np.exp(z - z.max(axis=-1, keepdims=True)).sum(axis=-1)) + z.max(axis=-1)
+            nlls = lse - z[np.arange(z.shape[0]), chunk[first + 1:]]
+            nll += float(nlls.sum())
+            count += nlls.size
+            per_chunk.append(math.exp(nll / count))
+        return {"ppl": math.exp(nll / count), "n_chunks": n_chunks, "n_tokens": count, "running": per_chunk}
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_gguf(self.file)
+        return self._tokenizer
+
+    def describe(self) -> str:
+        return (f"{self.arch} {os.path.basename(self.path)}: {self.hp.n_layer} layers, d={self.hp.n_embd}, "
+                f"{self.hp.n_expert} experts (top {self.hp.n_expert_used}), vocab {self.hp.n_vocab}, "
+                f"{self.n_params / 1e9:.2f} B params, {self.n_bytes / 2**30:.2f} GiB, backend {self.backend.name}")
+
+
+def load_model(path, backend: str = "cuda", **kwargs) -> Model:
+    """Load a GGUF model. backend: "cuda" (moeforge's kernels) or "numpy" (CPU reference;
+    numerics="float" or "kernel"). Validation errors are GGUFError (a ValueError)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cuda":
+        from .device import require_gpu
+        require_gpu("the cuda backend")
+    return Model(GGUFFile(path), backend, **kwargs)

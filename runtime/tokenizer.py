@@ -1,0 +1,71 @@
+"""Text <-> token ids from a GGUF file's own vocabulary (gpt2-style byte-level BPE).
+
+Built with the `tokenizers` package (an optional dependency: `pip install tokenizers`,
+or moeforge[tokenizer]); the model itself takes and returns ids and never needs it.
+The pre-tokenizer patterns are those of the GGUF's `tokenizer.ggml.pre` name.
+"""
+from __future__ import annotations
+
+from .gguf_file import GGUFError, GGUFFile
+
+# Split patterns by pre-tokenizer name (the regexes the model families publish).
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2}
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    def __init__(self, tok, bos_id, eos_id, add_bos: bool):
+        self._tok = tok
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
+        try:
+            from tokenizers import AddedToken, Regex
+            from tokenizers import Tokenizer as HFTokenizer
+            from tokenizers import decoders, models, pre_tokenizers
+        except ImportError:
+            raise ImportError("text in and out needs the `tokenizers` package: pip install tokenizers "
+                              "(token ids work without it)") from None
+        model = f.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise GGUFError(f"{f.path}: tokenizer.ggml.model is {model!r}; moeforge reads gpt2-style "
+                            f"byte-level BPE vocabularies only")
+        tokens = f.get("tokenizer.ggml.tokens", required=True)
+        merges = f.get("tokenizer.ggml.merges", required=True)
+        types = f.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        pre = f.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_PATTERNS:
+            raise GGUFError(f"{f.path}: pre-tokenizer {pre!r} is not known to moeforge "
+                            f"(known: {', '.join(PRE_PATTERNS)})")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False)
+        tok = HFTokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_PATTERNS[pre]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tok.decoder = decoders.ByteLevel()
+        special = [AddedToken(t, special=True, normalized=False)
+                   for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        if special:
+            tok.add_special_tokens(special)
+        return cls(tok, f.get("tokenizer.ggml.bos_token_id"), f.get("tokenizer.ggml.eos_token_id"),
+                   bool(f.get("tokenizer.ggml.add_bos_token", False)))
+
+    @property
+    def n_vocab(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special)

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Regenerate the llama.cpp parity fixtures (tests/fixtures/parity/).
+
+Writes tiny qwen3moe GGUF files with moeforge's synth writer (seeded float weights,
+quantized by gguf's reference quantizer: bit-identical on every run), evaluates them with
+llama.cpp on the CPU through llama-cpp-python (F32 KV cache, flash attention off, one
+ubatch, logits for every position), and keeps only the logits, the token ids and a hash
+of the weights; the tests rewrite the GGUF files from manifest.json.
+
+llama-cpp-python is not a dependency of moeforge; install it to run this script:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python
+(GGML_NATIVE=OFF keeps llama.cpp off AMX, whose Q4_0/Q8_0 repacking crashes on some CPUs.)
+
+The token sequence is chosen, token by token, so that on every fixture the top-1 token
+leads the runner-up by MIN_MARGIN at every position and every routing decision has a gap
+of ROUTER_GAP between the k-th and (k+1)-th router logits. Without that, a runtime that
+differs from llama.cpp only by rounding (q8_1 activations on the GPU, q8_0 on llama.cpp's
+CPU) flips a few near-tied expert choices, and a flipped expert moves the logits far more
+than rounding: the fixture would test luck, not parity.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "..", "tests", "fixtures", "parity")
+
+SPEC = dict(n_vocab=384, n_embd=128, n_layer=3, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=64,
+            n_expert=8, n_expert_used=3, n_ctx=256, rope_base=10000.0, rms_eps=1e-6, n_ff=192)
+SEED = 20240917
+N_TOKENS = 80
+MIN_MARGIN = 0.05      # logits (their spread is ~1; rounding noise vs llama.cpp ~0.01)
+ROUTER_GAP = 0.10      # router logits (spread ~2)
+FIXTURES = {
+    "f32": dict(qtype="f32"),
+    "f16": dict(qtype="f16"),
+    "q8_0": dict(qtype="q8_0"),
+    "q4_0": dict(qtype="q4_0"),
+    # the output head tied to a quantized embedding (no output.weight), q8_0 embedding
+    "q4_0-tied": dict(qtype="q4_0", embd_type="q8_0", tied_output=True),
+}
+
+
+def weights_sha256(path: str) -> str:
+    from gguf import GGUFReader
+    h = hashlib.sha256()
+    for t in GGUFReader(path).tensors:
+        h.update(t.name.encode())
+        h.update(np.ascontiguousarray(t.data).view(np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def write_fixture_model(path: str, entry: dict) -> None:
+    from moeforge.synth import SynthSpec, write_qwen3moe
+    spec = SynthSpec(**entry["spec"])
+    write_qwen3moe(path, spec, source="float", seed=entry["seed"], name="moeforge parity fixture", **entry["args"])
+
+
+def llama_logits(path: str, tokens) -> np.ndarray:
+    import llama_cpp
+    n = len(tokens)
+    llm = llama_cpp.Llama(path, n_ctx=max(n, 64), n_batch=n, n_ubatch=n, n_threads=os.cpu_count(),
+                          logits_all=True, flash_attn=False, type_k=0, type_v=0, verbose=False)
+    llm.eval([int(t) for t in tokens])
+    out = np.array(llm.scores[:n], dtype=np.float32)
+    llm.close()
+    return out
+
+
+def kl_per_token(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    def logp(z):
+        z = z.astype(np.float64)
+        z = z - z.max(axis=-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    lp, lq = logp(ref), logp(got)
+    return (np.exp(lp) * (lp - lq)).sum(axis=-1)
+
+
+def margins(logits: np.ndarray) -> np.ndarray:
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def choose_tokens(paths: dict, rng: np.random.Generator, tries: int) -> np.ndarray:
+    """Greedy, one position at a time (the margins at position i depend only on tokens
+    up to i), judged by the numpy backend emulating moeforge's kernels."""
+    from moeforge.runtime.model import load_model
+    models = [load_model(p, backend="numpy", numerics="kernel") for p in paths.values()]
+    gaps = []
+    for m in models:
+        route = m.backend.route
+
+        def recording(logits, top_k, scale, route=route):
+            srt = -np.sort(-logits.astype(np.float64), axis=-1)
+            gaps.append(float((srt[:, top_k - 1] - srt[:, top_k]).min()))
+            return route(logits, top_k, scale)
+        m.backend.route = recording
+        m.reset(N_TOKENS)
+    tokens = []
+    for i in range(N_TOKENS):
+        for attempt in range(tries):
+            cand = int(rng.integers(0, SPEC["n_vocab"] - 3))
+            gaps.clear()
+            ok, done = True, []
+            for m in models:
+                last = m.eval([cand])[-1]
+                done.append(m)
+                if margins(last[None])[0] < MIN_MARGIN or min(gaps) < ROUTER_GAP:
+                    ok = False
+                    break
+            if ok:
+                tokens.append(cand)
+                break
+            for m in done:
+                m.n_past -= 1     # drop the candidate: its cache row is overwritten next
+        else:
+            raise RuntimeError(f"no token for position {i} met the margins in {tries} tries")
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--tries", type=int, default=500, help="candidate tokens per position")
+    args = ap.parse_args(argv)
+    import llama_cpp
+    from moeforge.runtime.model import load_model
+    os.makedirs(args.out, exist_ok=True)
+    manifest = {"llama_cpp_python": llama_cpp.__version__, "n_tokens": N_TOKENS, "min_margin": MIN_MARGIN,
+                "router_gap": ROUTER_GAP, "fixtures": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for name, a in FIXTURES.items():
+            entry = {"spec": SPEC, "seed": SEED, "args": a}
+            paths[name] = os.path.join(tmp, f"{name}.gguf")
+            write_fixture_model(paths[name], entry)
+            manifest["fixtures"][name] = dict(entry, file=f"{name}.npz", weights_sha256=weights_sha256(paths[name]))
+        tokens = choose_tokens(paths, np.random.default_rng(SEED), args.tries)
+        logits = {name: llama_logits(p, tokens) for name, p in paths.items()}
+        worst = min(float(margins(v).min()) for v in logits.values())
+        print(f"smallest top-1 margin in llama.cpp's logits: {worst:.4f}", file=sys.stderr)
+        if worst < MIN_MARGIN / 2:
+            print("llama.cpp disagrees with the numpy backend on the margins; not writing fixtures",
+                  file=sys.stderr)
+            return 1
+        for name, p in paths.items():
+            ref = logits[name]
+            np.savez_compressed(os.path.join(args.out, f"{name}.npz"), tokens=tokens, logits=ref)
+            report = {}
+            for numerics in ("float", "kernel"):
+                got = load_model(p, backend="numpy", numerics=numerics).logits(tokens)
+                report[numerics] = {
+                    "max_abs": float(np.abs(got - ref).max()),
+                    "top1_agree": float((got.argmax(-1) == ref.argmax(-1)).mean()),
+                    "mean_kl": float(kl_per_token(ref, got).mean()),
+                }
+            manifest["fixtures"][name]["numpy_vs_llama_cpp"] = report
+            manifest["fixtures"][name]["smallest_margin"] = float(margins(ref).min())
+            print(name, json.dumps(report), file=sys.stderr)
+    with open(os.path.join(args.out, "manifest.json"), "w") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

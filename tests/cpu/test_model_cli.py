@@ -1,0 +1,82 @@
+"""The model commands on a machine without a GPU."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from moeforge.cli import main
+from moeforge.runtime.device import has_gpu
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cli") / "tiny.gguf")
+    assert main(["synth", "--preset", "tiny", "--type", "q4_0", path, "--quiet"]) == 0
+    return path
+
+
+def test_import_is_lazy_and_exports_load_model():
+    import subprocess
+    code = ("import sys, moeforge; assert 'moeforge.runtime.model' not in sys.modules; "
+            "assert callable(moeforge.load_model); assert 'moeforge.runtime.model' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_synth_cli(tiny, capsys):
+    from moeforge.runtime.model import load_model
+    assert load_model(tiny, backend="numpy").hp.n_layer == 2
+    assert main(["synth", "--preset", "nope", "x.gguf"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the message given without a GPU")
+def test_bench_without_gpu_is_a_clear_error(tiny, capsys):
+    assert main(["bench", tiny]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["perplexity", tiny, "-f", tiny])
+    from moeforge.runtime.device import NoGPUError
+    from moeforge.runtime.model import load_model
+    with pytest.raises(NoGPUError, match="cuda backend needs a CUDA device"):
+        load_model(tiny, backend="cuda")
+
+
+def test_bench_routes_gguf_to_the_model_bench(tiny, capsys, tmp_path):
+    out = tmp_path / "b.json"
+    assert main(["bench", tiny, "--backend", "numpy", "-p", "32", "-n", "4", "-r", "2", "--json", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split("|")[1:-1] == [c.ljust(len(c)) for c in table[0].split("|")[1:-1]]
+    assert [c.strip() for c in table[0].split("|")[1:-1]] == ["model", "size", "params", "backend", "ngl",
+                                                               "test", "t/s"]
+    assert "qwen3moe ?B Q4_0" in table[2] and "pp32" in table[2] and "tg4" in table[3]
+    data = json.loads(out.read_text())
+    assert [r["test"] for r in data["tests"]] == ["pp32", "tg4"] and data["tests"][0]["t_s_mean"] > 0
+
+
+def test_sweep_table(tiny, capsys):
+    assert main(["bench", tiny, "--backend", "numpy", "--sweep", "--ctx", "96", "--sweep-pp", "32",
+                 "--sweep-tg", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[1:-1] == ["    PP ", "     TG ", "   N_KV ", "   T_PP s ", " S_PP t/s ",
+                                         "   T_TG s ", " S_TG t/s "]
+    assert [int(l.split("|")[3]) for l in lines[2:]] == [0, 32]
+
+
+def test_perplexity_and_run_on_numpy(tiny, tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    assert main(["perplexity", tiny, "-f", str(text), "--backend", "numpy", "--ctx", "64", "--chunks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[1]") and "Final estimate: PPL = " in out
+    ppl = float(out.rsplit("=", 1)[1])
+    assert 1 < ppl < 1e6 and np.isfinite(ppl)
+    assert main(["run", tiny, "-p", "Hello", "-n", "3", "--backend", "numpy"]) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+
+
+def test_kernel_bench_is_untouched():
+    from moeforge.cli_model import route_bench
+    assert route_bench(["bench", "--types", "q4_0"]) == ["bench", "--types", "q4_0"]
+    assert route_bench(["bench", "m.gguf", "-p", "512"]) == ["bench-model", "m.gguf", "-p", "512"]

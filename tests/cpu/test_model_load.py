@@ -1,0 +1,187 @@
+"""GGUF loading: validation before any upload, clear errors, gate/up merging."""
+import numpy as np
+import pytest
+
+from moeforge.runtime.gguf_file import GGUFError, GGUFFile
+from moeforge.runtime.model import load_model
+from moeforge.synth import preset, write_qwen3moe
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny") / "tiny-q4_0.gguf")
+    write_qwen3moe(path, preset("tiny"), "q4_0", source="float", seed=3)
+    return path
+
+
+def rewrite(src, dst, tensors=None, kv=None):
+    """Copy a GGUF, letting tensors(name, array, type) -> [(name, array, type)] and
+    kv(key, value, types) -> value or None (drop) change it on the way."""
+    import gguf
+    from gguf import GGUFValueType
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, arch=GGUFFile(src).architecture)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        val = GGUFFile._value(f)
+        if kv:
+            val = kv(name, val, f.types)
+            if val is None:
+                continue
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(name, val, f.types[0], sub_type=sub)
+    for t in r.tensors:
+        items = [(t.name, np.array(t.data), t.tensor_type)]
+        if tensors:
+            items = tensors(t.name, np.array(t.data), t.tensor_type)
+        for name, arr, ty in items:
+            raw = None if ty in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else ty
+            w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_loads_and_runs(tiny):
+    m = load_model(tiny, backend="numpy")
+    assert m.hp.n_layer == 2 and m.hp.n_expert == 8 and m.hp.n_vocab == 512
+    assert m.logits([1, 2, 3]).shape == (3, 512)
+
+
+def test_rewrite_is_faithful(tiny, tmp_path):
+    same = rewrite(tiny, str(tmp_path / "same.gguf"))
+    toks = [5, 6, 7, 8]
+    np.testing.assert_array_equal(load_model(same, backend="numpy").logits(toks),
+                                  load_model(tiny, backend="numpy").logits(toks))
+
+
+def test_missing_tensor(tiny, tmp_path):
+    bad = rewrite(tiny, str(tmp_path / "bad.gguf"),
+                  tensors=lambda n, a, t: [] if n == "blk.1.attn_k_norm.weight" else [(n, a, t)])
+    with pytest.raises(GGUFError, match=r"'blk.1.attn_k_norm.weight' is missing"):
+        load_model(bad, backend="numpy")
+
+
+def test_wrong_shape(tiny, tmp_path):
+    bad = rewrite(tiny, str(tmp_path / "bad.gguf"),
+                  tensors=lambda n, a, t: [(n, a[:-1], t)] if n == "blk.0.ffn_norm.weight" else [(n, a, t)])
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_norm.weight' has shape \(127,\), expected \(128,\)"):
+        load_model(bad, backend="numpy")
+
+
+def test_wrong_type(tiny, tmp_path):
+    import gguf
+    f16 = lambda n, a, t: [(n, a.astype(np.float16), gguf.GGMLQuantizationType.F16)] \
+        if n == "blk.0.attn_norm.weight" else [(n, a, t)]  # noqa: E731
+    bad = rewrite(tiny, str(tmp_path / "bad.gguf"), tensors=f16)
+    with pytest.raises(GGUFError, match=r"'blk.0.attn_norm.weight' is f16, expected one of f32"):
+        load_model(bad, backend="numpy")
+
+
+def test_unexpected_tensor(tiny, tmp_path):
+    extra = lambda n, a, t: [(n, a, t)] + ([("blk.0.ffn_gate_shexp.weight", a, t)] \
+        if n == "blk.0.ffn_norm.weight" else [])  # noqa: E731
+    bad = rewrite(tiny, str(tmp_path / "bad.gguf"), tensors=extra)
+    with pytest.raises(GGUFError, match="unexpected tensors.*ffn_gate_shexp"):
+        load_model(bad, backend="numpy")
+
+
+def test_missing_and_bad_metadata(tiny, tmp_path):
+    bad = rewrite(tiny, str(tmp_path / "a.gguf"),
+                  kv=lambda k, v, t: None if k == "qwen3moe.expert_used_count" else v)
+    with pytest.raises(GGUFError, match="qwen3moe.expert_used_count' is missing"):
+        load_model(bad, backend="numpy")
+    bad = rewrite(tiny, str(tmp_path / "b.gguf"),
+                  kv=lambda k, v, t: 16 if k == "qwen3moe.expert_used_count" else v)
+    with pytest.raises(GGUFError, match="expert_used_count \\(16\\) exceeds expert_count \\(8\\)"):
+        load_model(bad, backend="numpy")
+
+
+def test_wrong_architecture(tiny, tmp_path):
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch="llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match="architecture 'llama' is not supported"):
+        load_model(str(tmp_path / "x.gguf"), backend="numpy")
+
+
+@pytest.mark.parametrize("cut", [10, 3000, -100])
+def test_truncated_file(tiny, tmp_path, cut):
+    data = open(tiny, "rb").read()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[:cut])
+    with pytest.raises(GGUFError, match="truncated"):
+        load_model(str(bad), backend="numpy")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"hello world, this is not a model" * 10)
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        load_model(str(bad), backend="numpy")
+    with pytest.raises(GGUFError, match="no such file"):
+        load_model(str(tmp_path / "absent.gguf"), backend="numpy")
+
+
+def test_bad_backend_and_tokens(tiny):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        load_model(tiny, backend="metal")
+    m = load_model(tiny, backend="numpy")
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):
+        m.logits([1, 512])
+
+
+def test_gate_up_merge_bytes(tiny):
+    """Merged rows per expert: the gate's rows, then the up's, bytes unchanged."""
+    from moeforge.runtime.arch_qwen3moe import open_model
+    f = GGUFFile(tiny)
+    refs = open_model(f)
+    L = refs.layers[1]
+    gate, up = f.tensors["blk.1.ffn_gate_exps.weight"], f.tensors["blk.1.ffn_up_exps.weight"]
+    E, ff, k = gate.shape
+    merged = L.gate_up.load().reshape(E, 2 * ff, -1)
+    assert L.gate_up.shape == (E, 2 * ff, k) and L.gate_up.qtype == "q4_0"
+    np.testing.assert_array_equal(merged[:, :ff], gate.load().reshape(E, ff, -1))
+    np.testing.assert_array_equal(merged[:, ff:], up.load().reshape(E, ff, -1))
+
+
+def test_file_with_gate_up_exps_used_as_is(tiny, tmp_path):
+    """A file that already holds ffn_gate_up_exps loads, and computes what the separate
+    tensors compute."""
+    def merge(n, a, t):
+        if n.endswith("ffn_gate_exps.weight"):
+            merge.gate = a
+            return []
+        if n.endswith("ffn_up_exps.weight"):
+            return [(n.replace("ffn_up_exps", "ffn_gate_up_exps"), np.concatenate([merge.gate, a], axis=1), t)]
+        return [(n, a, t)]
+    merged = rewrite(tiny, str(tmp_path / "merged.gguf"), tensors=merge)
+    f = GGUFFile(merged)
+    assert "blk.0.ffn_gate_up_exps.weight" in f.tensors and "blk.0.ffn_gate_exps.weight" not in f.tensors
+    toks = [3, 1, 4, 1, 5, 9, 2, 6]
+    np.testing.assert_array_equal(load_model(merged, backend="numpy").logits(toks),
+                                  load_model(tiny, backend="numpy").logits(toks))
+
+
+def test_mixed_gate_up_types_stay_separate(tiny, tmp_path):
+    import gguf
+    from gguf import quants
+
+    def requant(n, a, t):
+        if n == "blk.0.ffn_up_exps.weight":
+            w = quants.dequantize(a, t)
+            return [(n, quants.quantize(w.reshape(-1, w.shape[-1]), gguf.GGMLQuantizationType.Q8_0).reshape(
+                *w.shape[:-1], -1), gguf.GGMLQuantizationType.Q8_0)]
+        return [(n, a, t)]
+    mixed = rewrite(tiny, str(tmp_path / "mixed.gguf"), tensors=requant)
+    m = load_model(mixed, backend="numpy")
+    assert m.weights.layers[0].gate_up is None and m.weights.layers[0].up.qtype == "q8_0"
+    assert m.weights.layers[1].gate_up is not None
+    assert np.isfinite(m.logits([1, 2, 3])).all()

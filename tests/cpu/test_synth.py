@@ -1,0 +1,86 @@
+"""moeforge synth: valid, loadable files with llama.cpp's names and keys."""
+import numpy as np
+import pytest
+
+from moeforge.runtime.gguf_file import GGUFFile
+from moeforge.runtime.model import load_model
+from moeforge.synth import PRESETS, preset, tensor_plan, write_qwen3moe
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "f16"])
+def test_blocks_source_writes_a_loadable_model(tmp_path, qtype):
+    path = str(tmp_path / "m.gguf")
+    r = write_qwen3moe(path, preset("tiny"), qtype, seed=1)
+    f = GGUFFile(path)
+    assert r["tensors"] == len(f.tensors) == 27
+    assert f.metadata["general.architecture"] == "qwen3moe"
+    for key in ("block_count", "embedding_length", "expert_count", "expert_used_count", "attention.head_count",
+                "attention.head_count_kv", "expert_feed_forward_length", "rope.freq_base",
+                "attention.layer_norm_rms_epsilon", "context_length"):
+        assert f"qwen3moe.{key}" in f.metadata
+    assert f.metadata["tokenizer.ggml.model"] == "gpt2" and len(f.metadata["tokenizer.ggml.tokens"]) == 512
+    m = load_model(path, backend="numpy")
+    logits = m.logits(np.arange(16))
+    assert np.isfinite(logits).all() and logits.std() > 0
+    if qtype != "f16":
+        d = m.weights.layers[0].gate_up.raw.reshape(-1, 18 if qtype == "q4_0" else 34)[:, :2].copy()
+        scales = np.abs(d.view(np.float16).astype(np.float32))
+        assert np.isfinite(scales).all() and scales.min() > 0 and scales.max() < 0.1
+
+
+def test_names_match_llama_cpp():
+    """The names gguf-py (llama.cpp's own package) lists for qwen3moe."""
+    import gguf
+    arch = gguf.MODEL_ARCH.QWEN3MOE
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
+    for name, _, _ in tensor_plan(PRESETS["qwen3-30b-a3b"], "q4_0"):
+        base = name.rsplit(".", 1)[0]
+        base = base.replace(base.split(".")[1], "{bid}", 1) if base.startswith("blk.") else base
+        assert base in allowed, name
+
+
+def test_real_shapes_of_the_30b_preset():
+    plan = {n: (s, t) for n, s, t in tensor_plan(PRESETS["qwen3-30b-a3b"], "q4_0")}
+    assert plan["token_embd.weight"][0] == (151936, 2048)
+    assert plan["blk.47.ffn_gate_exps.weight"][0] == (128, 768, 2048)
+    assert plan["blk.47.ffn_down_exps.weight"][0] == (128, 2048, 768)
+    assert plan["blk.0.attn_q.weight"][0] == (4096, 2048)
+    assert plan["blk.0.attn_k.weight"][0] == (512, 2048)
+    assert plan["blk.0.ffn_gate_inp.weight"] == ((128, 2048), "f32")
+    total = sum(np.prod(s) for s, _ in plan.values())
+    assert 30.0e9 < total < 31.0e9
+
+
+def test_skewed_router_concentrates_tokens(tmp_path):
+    path = str(tmp_path / "s.gguf")
+    write_qwen3moe(path, preset("tiny"), "q8_0", seed=2, skewed_router=True)
+    m = load_model(path, backend="numpy")
+    seen = []
+    route = m.backend.route
+    m.backend.route = lambda lg, k, s: (lambda r: (seen.append(r[0]), r)[1])(route(lg, k, s))
+    m.logits(np.arange(200) % 500)
+    for ids in seen:   # per layer: the two hottest experts take most slots (uniform: 25%)
+        counts = np.sort(np.bincount(ids.ravel(), minlength=8))
+        assert counts[-2:].sum() > 0.5 * counts.sum(), counts
+
+
+def test_merged_gate_up_file(tmp_path):
+    path = str(tmp_path / "g.gguf")
+    write_qwen3moe(path, preset("tiny"), "q4_0", seed=1, merged_gate_up=True, tied_output=True)
+    f = GGUFFile(path)
+    assert "blk.0.ffn_gate_up_exps.weight" in f.tensors and "output.weight" not in f.tensors
+    assert np.isfinite(load_model(path, backend="numpy").logits([1, 2, 3])).all()
+
+
+def test_float_source_is_deterministic(tmp_path):
+    a, b = str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf")
+    write_qwen3moe(a, preset("tiny"), "q4_0", source="float", seed=5)
+    write_qwen3moe(b, preset("tiny"), "q4_0", source="float", seed=5)
+    assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="synth writes"):
+        write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q4_k")
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("llama-7b")

@@ -1,0 +1,68 @@
+"""The tokenizer built from a GGUF vocabulary."""
+import builtins
+
+import numpy as np
+import pytest
+
+from moeforge.runtime.gguf_file import GGUFError, GGUFFile
+from moeforge.synth import preset, write_qwen3moe
+
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok") / "t.gguf")
+    write_qwen3moe(path, preset("tiny"), "q8_0", seed=0)
+    return path
+
+
+@pytest.mark.parametrize("text", ["Hello world, the quick brown fox!", "  leading spaces\n\nand lines\t tabs",
+                                  "Ünïcødé ✓ 中文 🙂 123456", "<|im_start|>user\nhi<|im_end|>", ""])
+def test_round_trip(gguf_path, text):
+    from moeforge.runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(GGUFFile(gguf_path))
+    ids = tok.encode(text)
+    assert all(0 <= i < 512 for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_merges_apply_and_specials_are_single_tokens(gguf_path):
+    from moeforge.runtime.tokenizer import Tokenizer
+    f = GGUFFile(gguf_path)
+    tok = Tokenizer.from_gguf(f)
+    tokens = f.metadata["tokenizer.ggml.tokens"]
+    merged = next(t for t in tokens[256:] if t.startswith("\u0120") and len(t) >= 3)
+    word = " " + merged[1:]
+    assert tok.encode("x" + word)[1:] == [tokens.index(merged)]
+    assert tok.encode("<|im_end|>") == [tokens.index("<|im_end|>")]
+    assert tok.eos_id == tokens.index("<|im_end|>") and tok.add_bos is False
+
+
+def test_model_tokenizer_and_ids(gguf_path):
+    from moeforge.runtime.model import load_model
+    m = load_model(gguf_path, backend="numpy")
+    ids = m.tokenizer.encode("some text to score")
+    assert m.logits(ids).shape == (len(ids), 512)
+    assert isinstance(m.generate(np.asarray(ids), 2)[0], int)
+
+
+def test_missing_tokenizers_package_is_a_clear_error(gguf_path, monkeypatch):
+    from moeforge.runtime.tokenizer import Tokenizer
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name.startswith("tokenizers"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(ImportError, match="pip install tokenizers"):
+        Tokenizer.from_gguf(GGUFFile(gguf_path))
+
+
+def test_unsupported_vocabulary(gguf_path, tmp_path):
+    from moeforge.runtime.tokenizer import Tokenizer
+    f = GGUFFile(gguf_path)
+    f.metadata["tokenizer.ggml.model"] = "llama"
+    with pytest.raises(GGUFError, match="gpt2-style"):
+        Tokenizer.from_gguf(f)
