@@ -70,6 +70,8 @@ class _Workspace:
 
     def __init__(self):
         self._bufs: dict[tuple[int, str], object] = {}
+        # bumped whenever a buffer moves: a captured CUDA graph holding old addresses is stale
+        self.generation = 0
 
     def get(self, name: str, nbytes: int, dtype=np.uint8):
         cp = require_gpu()
@@ -79,6 +81,7 @@ class _Workspace:
         if buf is None or buf.nbytes < nbytes:
             buf = cp.empty(nbytes, dtype=cp.uint8)
             self._bufs[key] = buf
+            self.generation += 1
         itemsize = np.dtype(dtype).itemsize
         return buf[: nbytes - nbytes % itemsize].view(dtype)
 
