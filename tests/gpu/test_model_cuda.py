@@ -35,8 +35,22 @@ def test_cuda_matches_numpy_kernel_emulation(parity_models, name):
     toks = fx["tokens"]
     got = load_model(fx["path"], backend="cuda").logits(toks)
     ref = load_model(fx["path"], backend="numpy", numerics="kernel").logits(toks)
-    err = np.abs(got - ref).max() / np.abs(ref).max()
-    assert err < 1e-3, f"max abs difference {err:.2e} relative to the largest logit"
+    _close(got, ref, name)
+
+
+def _close(got, ref, name):
+    """Float weights: elementwise. Quantized: each layer re-quantizes its input to q8_1,
+    so a last-bit difference in one product (another summation order) can move a value
+    across a rounding boundary of the next layer's quantizer; such flips add up to ~1e-2
+    in the logits. There the bar is the issue's: same top-1 everywhere, small KL."""
+    if name in ("f32", "f16"):
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < 1e-3, f"max abs difference {err:.2e} relative to the largest logit"
+        return
+    top = got.argmax(-1) == ref.argmax(-1)
+    assert top.all(), f"top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
+    kl = kl_per_token(ref, got)
+    assert kl.mean() < 1e-4, f"mean KL {kl.mean():.2e}"
 
 
 @pytest.mark.parametrize("name", ["q4_0", "f32"])
@@ -51,7 +65,7 @@ def test_decode_steps_match_prefill(parity_models, name):
         warnings.simplefilter("error")      # a failed capture warns and falls back: fail here
         steps = np.concatenate([m.eval([t]) for t in toks])
     assert m.backend.use_graphs and m.backend._graph is not None, "the decode step was not captured"
-    np.testing.assert_allclose(steps, whole, atol=2e-4 * np.abs(whole).max(), rtol=0)
+    _close(steps, whole, name)
 
 
 def test_graph_replay_equals_eager_decode(parity_models):
@@ -80,7 +94,7 @@ def test_graph_recaptured_after_buffers_grow(parity_models):
     m.eval(toks[6:70])                   # grows every named buffer
     got = np.concatenate([m.eval([t]) for t in toks[70:]])
     want = ref.logits(toks)[70:]
-    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    _close(got, want, "q4_0")
 
 
 def test_generate_matches_numpy(parity_models):
