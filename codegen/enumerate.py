@@ -31,9 +31,10 @@ def mmq_specs(q: QuantType) -> list[MmqSpec]:
 
 def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     out = []
-    for ids, t in product((True, False), MMVQ_TOKENS):
-        out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids) for w, r in product(MMVQ_WARPS, MMVQ_ROWS)]
-        out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias)
+    for ids, (t, pp) in product((True, False), [(t, False) for t in MMVQ_TOKENS] + [(1, True)]):
+        out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, per_pair=pp)
+                for w, r in product(MMVQ_WARPS, MMVQ_ROWS)]
+        out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias, per_pair=pp)
                 for act, bias, w, r in product(MmvqSpec.ACTS, (False, True), FUSED_WARPS, FUSED_ROWS)]
     return out
 

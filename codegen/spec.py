@@ -145,7 +145,9 @@ class MmvqSpec(KernelSpec):
     tokens: vectors per block (the routing tiles hold at most this many),
     warps per block, rows: weight rows per warp (more rows, more loads in flight).
     act: None for a plain product; "silu", "gelu" or "swiglu_oai" for the fused
-    act(gate) * up form, with optional biases on gate and up.
+    act(gate) * up form, with optional biases on gate and up. per_pair: one block column
+    per (token, slot) pair, which quantizes its own x row: a single launch, no routing,
+    an expert chosen by several tokens is read once per token (tokens must be 1).
     """
     family: ClassVar[str] = "mmvq"
     template: ClassVar[str] = "mmvq.cu.j2"
@@ -156,6 +158,7 @@ class MmvqSpec(KernelSpec):
     ids: bool = True
     act: str | None = None
     bias: bool = False
+    per_pair: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
@@ -168,14 +171,21 @@ class MmvqSpec(KernelSpec):
         fam = "mmvq_id" if self.ids else "mmvq"
         fused = f"-{self.act}" if self.act else ""
         bias = "-bias" if self.bias else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}"
+        pp = "-pp" if self.per_pair else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}"
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
+    def smem_bytes(self, k: int) -> int:
+        """Dynamic shared memory of a launch for activations of width k."""
+        return _pad16((k // 32) * 40) if self.per_pair else 0
+
     def check(self) -> None:
         self.quant  # noqa: B018 - an unknown type raises here
+        if self.per_pair and self.tokens != 1:
+            raise ValueError(f"{self.name}: a per-pair kernel handles one token per block")
         if not 1 <= self.tokens <= 8:
             raise ValueError(f"{self.name}: tokens must be in [1, 8]")
         if self.warps not in (1, 2, 4, 8):

@@ -1,9 +1,10 @@
 """`moeforge bench`: MUL_MAT_ID on the anchor shapes, in test-backend-ops' columns
 (us/run, TFLOPS) plus the physical floor and llama.cpp's figure on an H100.
 
-Two timings per row: `hot` repeats the same weights, as llama.cpp's harness does (at small
-n they stay in L2); `cold` rotates through enough weight copies that every call reads
-from HBM, as a model does. Inputs (x, ids) always rotate; nothing runs on zeros.
+Two timings per row: `hot` repeats one call on the same weights and inputs, as llama.cpp's
+harness does (at small n what it reads stays in L2); `cold` rotates through enough weight
+copies and input sets that every call reads from HBM, as a model does. Nothing runs on
+zeros.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def sweep_choices(qtype: str, shape, n: int):
         t = min(8, 1 << math.ceil(math.log2(n)))
         out += [Choice("mmvq", MmvqSpec(qtype, tokens=tt, warps=w, rows=r))
                 for tt in sorted({t, max(1, t // 2)}) for w in MMVQ_WARPS for r in MMVQ_ROWS]
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=1, warps=w, rows=r, per_pair=True))
+                for w in MMVQ_WARPS for r in MMVQ_ROWS]
     per = n * top_k / E
     xs = [x for x in MMQ_X if per / 4 <= x <= max(8, per * 2)] or [8]
     out += [Choice("mmq_id", MmqSpec(qtype, x=x, y=y, warps=w, kblocks=kb, stages=s, stream_k=sk))
@@ -131,7 +134,7 @@ def run_shape(qtype: str, shape, ns, mode: str, reps: int, rng, info, bw_gbs: fl
                 run_mul_mat_id(ws[i % len(ws)], xs[i % nin], idss[i % nin], out, choice)
 
             try:
-                t_hot = time_calls(lambda i: call(i, hot.weights), nin, reps=reps, use_graph=graph)
+                t_hot = time_calls(lambda i: call(0, hot.weights), 1, reps=reps, use_graph=graph)
                 nc = max(nin, len(cold.weights))
                 t_cold = time_calls(lambda i: call(i, cold.weights), nc, calls=nc, reps=reps, use_graph=graph)
             except Exception as e:  # a spec that cannot launch here is reported, not fatal

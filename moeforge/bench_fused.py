@@ -1,7 +1,8 @@
 """Benchmark rows for decoding (issue: fused gate/up): the fused act(gate) * up call against
 two separate expert mat-vec calls, n = 1, 2, 4, 8, with achieved GB/s next to the card's
-measured copy bandwidth. `hot`: the same weights every call (llama.cpp's harness);
-`cold`: weights rotated through more memory than L2 holds (what a model sees)."""
+measured copy bandwidth. `hot`: the same call every time (llama.cpp's harness; its
+weights stay in L2); `cold`: weights and inputs rotated through more memory than L2
+holds (what a model sees)."""
 from __future__ import annotations
 
 import math
@@ -65,7 +66,7 @@ def run(qtypes, reps: int, info: dict, bw_gbs: float, rows: list, rng) -> None:
 
                 res = {}
                 for label, fn in (("fused", fused), ("separate", separate)):
-                    hot = time_calls(lambda i: fn(i, 1), 4, reps=reps)
+                    hot = time_calls(lambda i: fn(0, 1), 1, reps=reps)
                     nc = max(4, copies)
                     cold = time_calls(lambda i: fn(i, copies), nc, calls=nc, reps=reps)
                     res[label] = (hot.median_us, cold.median_us)

@@ -31,11 +31,16 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
 
 
 def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
+    """One token: one launch that quantizes x in each block (per pair). More tokens: the
+    routing tiles, so an expert several tokens chose is read once."""
+    if n == 1:
+        return MmvqSpec(qtype, tokens=1, warps=4, rows=2, ids=ids, per_pair=True)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2, ids=ids)
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool) -> MmvqSpec:
-    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=1, ids=ids, act=act, bias=bias)
+    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=1, ids=ids, act=act, bias=bias,
+                    per_pair=n == 1)
 
 
 def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool = True) -> MmqSpec:

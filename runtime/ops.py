@@ -171,7 +171,12 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
     """Mat-vec launch after one preparing launch: with ids, routing into tiles of at most
     spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only."""
     kern = load(spec)
-    if spec.ids:
+    if spec.per_pair:
+        # the kernel quantizes its x row itself; the "rows" argument carries the ids
+        xq, xds, nbp = _aligned(x2d), None, 0
+        rows, tiles, ntt, n_dense = ids, None, None, 0
+        max_tiles = ids.size if spec.ids else x2d.shape[0]
+    elif spec.ids:
         (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, w.n_experts, spec.tokens, x2d)
         n_dense = 0
     else:
@@ -184,10 +189,10 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
     grid = (-(-m // (spec.warps * spec.rows)), max_tiles)
     args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), np.uint64(wu.qs_ptr()), np.uint64(wu.meta_ptr()),
             _i32(rows_e if rows_e is not None else w.m), _i32(up_off),
-            ptr(bias_g), ptr(bias_u), _i32(bias_e), xq, xds,
+            ptr(bias_g), ptr(bias_u), _i32(bias_e), ptr(xq), ptr(xds),
             _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
             ptr(rows), ptr(tiles), ptr(ntt), _i32(n_dense), ptr(entry_scale), out, _i32(m))
-    kern(grid, args)
+    kern(grid, args, smem=spec.smem_bytes(w.k))
 
 
 # -- the products -------------------------------------------------------------------------

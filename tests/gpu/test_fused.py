@@ -57,7 +57,8 @@ def test_moe_gate_up(rng, qtype, act, bias, merged, n):
     flt = _expected(qtype, E, n_ff, k, rg, ru, x, ids, act, bg, bu, False)
     t = min(8, 1 << (n - 1).bit_length())
     for spec in (None, MmvqSpec(qtype, tokens=t, warps=4, rows=2, act=act, bias=bias),
-                 MmvqSpec(qtype, tokens=1, warps=4, rows=1, act=act, bias=bias)):
+                 MmvqSpec(qtype, tokens=1, warps=4, rows=1, act=act, bias=bias),
+                 MmvqSpec(qtype, tokens=1, warps=2, rows=2, act=act, bias=bias, per_pair=True)):
         out = cp.full((n, top_k, n_ff), cp.nan, dtype=cp.float32)
         moeforge.moe_gate_up(cp.asarray(x), cp.asarray(ids), act=act, out=out, spec=spec, **w, **b)
         got = out.get()
