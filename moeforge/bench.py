@@ -197,7 +197,7 @@ def main(args) -> int:
                 run_shape(q, shape, ns, args.paths, args.reps, rng, info, bw, rows)
     if "gate_up" in ops:
         from . import bench_fused
-        bench_fused.run(types, args.reps, info, bw, rows, rng)
+        bench_fused.run(types, args.reps, info, bw, rows, rng, sweep=args.paths == "sweep")
     mm = [r for r in rows if "path" in r]
     if mm:
         print_table(best_rows(mm) if args.paths == "sweep" else mm, info, bw)
