@@ -50,7 +50,7 @@ def sweep_choices(qtype: str, shape, n: int):
     from .runtime.dispatch import MMVQ_MAX_TOKENS, Choice
     E, top_k, m, k = shape
     out = []
-    if n <= MMVQ_MAX_TOKENS:
+    if n <= 4 * MMVQ_MAX_TOKENS:  # past the default switch too: where does the mat-vec stop winning?
         t = min(8, 1 << math.ceil(math.log2(n)))
         out += [Choice("mmvq", MmvqSpec(qtype, tokens=tt, warps=w, rows=r))
                 for tt in sorted({t, max(1, t // 2)}) for w in MMVQ_WARPS for r in MMVQ_ROWS]
