@@ -20,14 +20,21 @@ def main():
         if b in fields:
             fields[b] = bool(fields[b])
     E, top_k, m, k = 128, 8, 768, 2048
-    spec = (MmvqSpec if path == "mmvq" else MmqSpec)(qtype, **fields)
+    spec = (MmvqSpec if path in ("mmvq", "fused") else MmqSpec)(qtype, **fields)
     rng = np.random.default_rng(0)
-    w = QuantTensor.from_blocks(ref.random_blocks(qtype, E * m, k, rng), qtype, (E, m, k))
+    rows = 2 * m if path == "fused" else m
+    w = QuantTensor.from_blocks(ref.random_blocks(qtype, E * rows, k, rng), qtype, (E, rows, k))
     x = cp.asarray(rng.standard_normal((n, k)).astype(np.float32))
     ids = cp.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :top_k].astype(np.int32))
     out = cp.empty((n, top_k, m), dtype=cp.float32)
-    for _ in range(6):
-        run_mul_mat_id(w, x, ids, out, Choice(path, spec))
+    if path == "fused":
+        from moeforge.runtime.fused import Operands, run_moe_gate_up
+        ops = Operands(x, w, None, None, None, None, experts=True)
+        for _ in range(6):
+            run_moe_gate_up(ops, ids, out, spec.act, spec)
+    else:
+        for _ in range(6):
+            run_mul_mat_id(w, x, ids, out, Choice(path, spec))
     cp.cuda.Device().synchronize()
 
 
