@@ -203,3 +203,25 @@ def test_router_weights_scale_each_entry(rng, qtype, n):
     out = moeforge.mul_mat_id(w, xd, idsd, weights=cp.asarray(wts))
     emu = ref.mul_mat_id_emulated(raw, qtype, (E, m, k), x, ids) * wts[:, :, None]
     assert ref.nmse(out.get(), emu) <= NMSE_EMULATED
+
+
+@pytest.mark.parametrize("n,top_k,E,tx", [(1, 8, 128, 1), (3, 8, 128, 2), (4, 8, 16, 8), (2, 6, 4, 3),
+                                          (5, 4, 32, 8), (37, 8, 64, 16), (600, 8, 128, 32)])
+def test_routing_table_is_a_stable_sort(rng, n, top_k, E, tx):
+    """Rows grouped by expert in entry order, tiles of at most tx, per-expert offsets: both
+    routing kernels (one warp for N <= 32, the block version beyond)."""
+    import cupy as cp
+    from moeforge.runtime.ops import _prepare
+    ids = np.stack([rng.choice(E, size=top_k, replace=top_k > E) for _ in range(n)]).astype(np.int32)
+    x = cp.asarray(rng.standard_normal((n, 64)).astype(np.float32))
+    (rows, tiles, ntt, eoff, max_tiles), _ = _prepare(cp.asarray(ids), E, tx, x)
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    assert np.array_equal(rows.get()[:flat.size], order)
+    counts = np.bincount(flat, minlength=E)
+    assert np.array_equal(eoff.get()[:E + 1], np.concatenate([[0], np.cumsum(counts)]))
+    want = [(e, int(np.cumsum(counts)[e] - counts[e]) + t * tx, min(tx, counts[e] - t * tx))
+            for e in range(E) for t in range(-(-counts[e] // tx))]
+    assert int(ntt.get()[0]) == len(want) <= max_tiles
+    got = tiles.get()[:4 * len(want)].reshape(-1, 4)[:, :3]
+    assert [tuple(map(int, r)) for r in got] == want
