@@ -31,26 +31,29 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
 
 
 def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
-    """One token: one launch that quantizes x in each block (per pair). More tokens: the
-    routing tiles, so an expert several tokens chose is read once."""
-    if n == 1:
-        return MmvqSpec(qtype, tokens=1, warps=4, rows=2, ids=ids, per_pair=True)
-    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2, ids=ids)
+    """One launch per product, a block per (token, slot) pair that quantizes its own x
+    row: with 128 experts a decode batch rarely shares one, so grouping saves little and
+    costs the routing launch (H100 sweep, BENCHMARKS.md)."""
+    return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, per_pair=True)
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool) -> MmvqSpec:
-    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=1, ids=ids, act=act, bias=bias,
-                    per_pair=n == 1)
+    return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
+                    act=act, bias=bias)
 
 
-def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool = True) -> MmqSpec:
+def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool | None = None) -> MmqSpec:
     """Tile width from the tokens each expert receives, not from the batch: with 128
     experts and 128 tokens x top-8, each expert sees ~8 tokens and a 64-wide tile would
-    be mostly empty (where llama.cpp loses most of its time)."""
-    x = _pow2_at_least(tokens_per_tile, 8, 64)
-    if x <= 16:
-        return MmqSpec(qtype, x=x, y=128, warps=8, kblocks=8, stages=3, ids=ids, stream_k=stream_k)
-    return MmqSpec(qtype, x=x, y=64, warps=4, kblocks=8, stages=3, ids=ids, stream_k=stream_k)
+    be mostly empty (where llama.cpp loses most of its time). Twice the mean leaves room
+    for the experts above it; the H100 sweep found no gain from stream-k for MoE tiles.
+    Dense products (one "expert", regular tiles) keep stream-k for their last wave."""
+    if ids:
+        x = 64 if tokens_per_tile >= 128 else _pow2_at_least(2 * tokens_per_tile, 8, 32)
+    else:
+        x = _pow2_at_least(tokens_per_tile, 16, 64)
+    sk = (not ids) if stream_k is None else stream_k
+    return MmqSpec(qtype, x=x, y=128, warps=4, kblocks=8, stages=2, ids=ids, stream_k=sk)
 
 
 def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:

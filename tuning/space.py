@@ -99,7 +99,7 @@ def path_allows(op: str, path: str, spec: KernelSpec, shape, n: int) -> str | No
 def knobs(choice: Choice) -> dict:
     s = choice.spec
     if isinstance(s, MmvqSpec):
-        return {"tokens": s.tokens, "warps": s.warps, "rows": s.rows}
+        return {"tokens": s.tokens, "warps": s.warps, "rows": s.rows, "per_pair": s.per_pair}
     return {"x": s.x, "yw": f"y{s.y}w{s.warps}", "kblocks": s.kblocks, "stages": s.stages,
             "stream_k": s.stream_k}
 
@@ -201,8 +201,8 @@ def build(key: TuneKey, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Space:
     # measurable; only an instance that cannot launch here is left out.
     default = default_choice(key)
     dparams = params_of(default)
-    if not any(params_of(c) == dparams for c in choices) and \
-            getattr(default.spec, "smem_bytes", lambda: 0)() <= smem_limit:
+    default_smem = default.spec.smem_bytes() if isinstance(default.spec, MmqSpec) else 0
+    if not any(params_of(c) == dparams for c in choices) and default_smem <= smem_limit:
         choices.append(Choice(default.path, default.spec, "tuned"))
         pruned = [(name, why) for name, why in pruned if not name.endswith(default.spec.name)]
     if not choices:
@@ -232,7 +232,7 @@ def seeds(space: Space) -> list[Choice]:
             spec = dispatch.default_mmvq(k.qtype, k.n, ids=k.op == "mul_mat_id")
         else:
             t = k.tokens_per_expert if path != "mmq" else k.n
-            spec = dispatch.default_mmq(k.qtype, t, ids=path == "mmq_id", stream_k=path == "mmq_id")
+            spec = dispatch.default_mmq(k.qtype, t, ids=path == "mmq_id")
         c = Choice(path, spec, "tuned")
         if space.lookup(params_of(c)) is not None:
             out.append(c)
