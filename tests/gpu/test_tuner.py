@@ -116,6 +116,9 @@ def test_profile_policy_on_the_real_fingerprint(rng, tmp_path, monkeypatch):
         pm.save(p, tmp_path / name)
 
     monkeypatch.setenv("MOEFORGE_PROFILE_DIR", str(tmp_path))
+    # the policy under test is between these files alone: a shipped profile for this very
+    # card (an exact match, which rightly wins over a downgraded one) stays out of it
+    monkeypatch.setattr(activate, "shipped_profiles", lambda: [])
 
     def choose():
         activate.reset()
@@ -158,3 +161,18 @@ def test_profile_policy_on_the_real_fingerprint(rng, tmp_path, monkeypatch):
         assert any("corrupt" in s and "stages" in s for s in said), said
     finally:
         activate.reset()
+
+
+def test_shipped_profile_is_found_for_its_card():
+    """On the card a shipped profile was made on, dispatch uses it without any tuning."""
+    from moeforge.runtime import dispatch
+    from moeforge.tuning import activate, fingerprint as fpmod
+    from moeforge.tuning import profile as pm
+    from moeforge.tuning.paths import shipped_profiles
+    here = fpmod.current()
+    mine = [p for p in shipped_profiles() if pm.load(p).fingerprint.get("gpu") == here["gpu"]]
+    if not mine:
+        pytest.skip(f"no shipped profile for {here['gpu']}")
+    activate.reset()
+    c = dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 64)
+    assert c.source == "profile", "a shipped profile for this GPU was not used"
