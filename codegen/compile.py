@@ -10,10 +10,10 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..fsutil import atomic_write
 from .render import render
 from .spec import KernelSpec
 
@@ -73,18 +73,8 @@ def parse_ptxas(log: str) -> dict[str, dict]:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    # a cache entry can be rebuilt: no fsync, just never a half-written file
+    atomic_write(path, data, fsync=False)
 
 
 def nvrtc_compile(source: str, name: str, arch: str, options: tuple[str, ...] = BASE_OPTIONS) -> tuple[bytes, str]:

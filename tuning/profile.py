@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ..codegen.spec import KernelSpec
+from ..fsutil import atomic_write
 from ..runtime.dispatch import Choice
 from . import fingerprint as fpmod
 from .space import OPS, PATHS, TuneKey, path_allows
@@ -207,20 +207,7 @@ def save(profile: Profile, path: str | os.PathLike) -> Path:
     text = dump(profile)
     from_dict(yaml.safe_load(text), str(path))   # never write what we would refuse to read
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+    return atomic_write(path, text)
 
 
 def file_name(fp: dict) -> str:
