@@ -93,7 +93,6 @@ class Case:
     """Weights (one copy, or enough copies to defeat L2) and rotating inputs for one shape."""
 
     def __init__(self, qtype: str, shape, rng, l2_bytes: int, cold: bool):
-        import cupy as cp
         from . import reference as ref
         from .runtime.tensor import QuantTensor
         E, top_k, m, k = shape

@@ -17,7 +17,6 @@ FUSED_N = (1, 2, 4, 8)
 
 
 def _weights(qtype, E, n_ff, k, rng, copies):
-    import cupy as cp
     from . import reference as ref
     from .runtime.tensor import QuantTensor
     raw = ref.random_blocks(qtype, E * 2 * n_ff, k, rng)

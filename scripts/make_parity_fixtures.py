@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict
 
 import numpy as np
 

@@ -94,7 +94,6 @@ def test_per_slot_activations(rng, qtype, n):
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_default_dispatch_anchor_shape(rng, qtype):
-    import cupy as cp
     import moeforge
     E, top_k, m, k = 128, 8, 768, 2048
     for n in (1, 4, 16, 128, 512):
@@ -105,7 +104,6 @@ def test_default_dispatch_anchor_shape(rng, qtype):
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_repeated_calls_bitwise_identical(rng, qtype):
-    import cupy as cp
     import moeforge
     E, top_k, m, k, n = 64, 8, 192, 512, 300
     raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, skew=True)
