@@ -186,10 +186,21 @@ class StudyRun:
                 break
             if (exhausted and not waiting) or idle >= MAX_IDLE:
                 break
+            if idle >= 2 and not exhausted and not waiting:
+                # the sampler keeps drawing measured candidates (a small space nearly done):
+                # hand it one that is not, so a space is exhausted, not given up on
+                self._enqueue_missing(done)
             idle = 0 if self._one() else idle + 1
             if on_trial:
                 on_trial(self)
         self.drain(hard_deadline)
+
+    def _enqueue_missing(self, done) -> None:
+        seen = {_frozen(t.params) for t in done}
+        for c in self.space.choices:
+            if _frozen(params_of(c)) not in seen:
+                self.study.enqueue_trial(params_of(c), user_attrs={"seed": "fill"}, skip_if_exists=True)
+                return
 
     def drain(self, hard_deadline: float | None) -> None:
         """Before leaving: run re-enqueued trials of dead workers, and wait for the running
