@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..codegen.spec import MmqSpec, MmvqSpec, UtilSpec
-from . import dispatch
+from . import dispatch, streamk
 from .device import device_info, require_gpu
 from .kernels import load
 from .tensor import QuantTensor
@@ -147,7 +147,7 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
         raise ValueError(f"product too large for one launch ({max_tiles * n_mt * iters} work units)")
     ptr = lambda a: a.data.ptr if a is not None else 0  # noqa: E731
     if spec.stream_k:
-        grid = max(1, min(info["sm_count"] * max(1, kern.blocks_per_sm), max_tiles * n_mt * iters))
+        grid = streamk.default_grid(info["sm_count"], max(1, kern.blocks_per_sm), max_tiles * n_mt * iters)
         partials = WORKSPACE.get("partials", grid * 2 * spec.x * spec.y * 4, np.float32)
     else:
         grid, partials = max_tiles * n_mt, None
