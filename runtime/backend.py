@@ -82,6 +82,34 @@ class Backend:
     def new_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.xp, self.hp, n_ctx)
 
+    # -- ops every backend composes the same way -------------------------------------------
+    # A backend with fused kernels overrides these; the compositions here are the reference.
+    def qk_norm_rope_store_(self, cache, il, q, k, v, L: LayerWeights, pos, pos0):
+        """Per-head RMSNorm and NEOX RoPE of q and k in place; k and v into the cache."""
+        hp = self.hp
+        self.head_norm_(q, L.q_norm, hp.n_head, hp.rms_eps)
+        self.head_norm_(k, L.k_norm, hp.n_head_kv, hp.rms_eps)
+        self.rope_(q, pos, hp.n_head, hp.rope_base)
+        self.rope_(k, pos, hp.n_head_kv, hp.rope_base)
+        self.kv_store_(cache, il, k, v, pos, pos0)
+
+    def add_rms_norm_(self, x, y, w, eps, name):
+        """x += y; returns rms_norm(x) * w."""
+        self.add_(x, y)
+        return self.rms_norm(x, w, eps, name)
+
+    def moe_combine_rms_norm_(self, x, y, wts, w, eps, name):
+        """x += sum_j wts[:, j] * y[:, j]; returns rms_norm(x) * w (the next layer's input)."""
+        self.moe_combine_(x, y, wts)
+        return self.rms_norm(x, w, eps, name)
+
+    def expert_gate_up(self, L: LayerWeights, x, ids, name):
+        """silu(gate) * up of each token's chosen experts, (n, top_k, n_ff). A backend with
+        a fused kernel overrides this; the composition here is its reference."""
+        if L.gate_up is not None:
+            return self.swiglu(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), name)
+        return self.swiglu_split(self.mul_mat_id(L.gate, x, ids, "gate"), self.mul_mat_id(L.up, x, ids, "up"), name)
+
     # -- host <-> device ---------------------------------------------------------------------
     def context(self):
         """Entered around every evaluation (the CUDA backend's stream)."""

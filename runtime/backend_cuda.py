@@ -39,9 +39,10 @@ class CudaBackend(Backend):
     def __init__(self, hp):
         cp = require_gpu("the cuda backend")
         super().__init__(hp)
-        if hp.n_expert > MAX_EXPERTS or hp.head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"the cuda backend handles up to {MAX_EXPERTS} experts and heads of up to "
-                             f"{MAX_HEAD_DIM}; this model has {hp.n_expert} and {hp.head_dim}")
+        if hp.n_expert > MAX_EXPERTS or hp.head_dim > MAX_HEAD_DIM or hp.n_expert_used > 32:
+            raise ValueError(f"the cuda backend handles up to {MAX_EXPERTS} experts, 32 of them per token, and "
+                             f"heads of up to {MAX_HEAD_DIM}; this model has {hp.n_expert}, {hp.n_expert_used} "
+                             f"and {hp.head_dim}")
         self.cp = self.xp = cp
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._module = None
@@ -123,15 +124,39 @@ class CudaBackend(Backend):
         self.kernel("rope_neox")(_grid(total), (256,), (x, pos, _i32(n), _i32(n_heads), _i32(hd),
                                                         _f32(math.log2(base))))
 
-    def attention(self, cache, il, q, k, v, pos, pos0, n, name):
+    def kv_store_(self, cache, il, k, v, pos, pos0):
+        n = k.shape[0]
+        self.kernel("kv_store")(_grid(n * self.hp.kv_dim), (256,), (k, v, cache.k[il], cache.v[il], pos, _i32(n),
+                                                                    _i32(self.hp.kv_dim)))
+
+    def qk_norm_rope_store_(self, cache, il, q, k, v, L, pos, pos0):
+        hp = self.hp
+        n = q.shape[0]
+        self.kernel("qk_norm_rope_store")((hp.n_head + hp.n_head_kv, n), (max(32, 32 * -(-hp.head_dim // 64)),), (
+            q, k, v, L.q_norm, L.k_norm, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv),
+            _i32(hp.head_dim), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base))))
+
+    def add_rms_norm_(self, x, y, w, eps, name):
+        out = self.ws(name, x.shape)
+        d = x.shape[-1]
+        self.kernel("add_rms_norm")((x.size // d,), (1024,), (x, y, w, out, _i32(d), _f32(eps)))
+        return out
+
+    def moe_combine_rms_norm_(self, x, y, wts, w, eps, name):
+        n, top_k, d = y.shape
+        out = self.ws(name, x.shape)
+        self.kernel("moe_combine_rms_norm")((n,), (1024,), (x, y, wts, w, out, _i32(top_k), _i32(d),
+                                                            _f32(eps)))
+        return out
+
+    def attention(self, cache, il, q, pos, pos0, n, name):
         hp, cp = self.hp, self.cp
         kc, vc = cache.k[il], cache.v[il]
-        self.kernel("kv_store")(_grid(n * hp.kv_dim), (256,), (k, v, kc, vc, pos, _i32(n), _i32(hp.kv_dim)))
         scale = 1.0 / math.sqrt(hp.head_dim)
         if n == 1:   # the decode step: the number of cached positions is read on the device
             out = self.ws(name, (1, hp.q_dim))
             scores = self.ws("scores", (hp.n_head, cache.n_ctx))
-            self.kernel("attn_decode")((hp.n_head,), (128,), (
+            self.kernel("attn_decode")((hp.n_head,), (1024,), (
                 q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
                 _i32(hp.head_dim), _f32(scale)))
             return out
@@ -140,13 +165,9 @@ class CudaBackend(Backend):
         K = kc[:L].reshape(L, hkv, hd).transpose(1, 2, 0)
         V = vc[:L].reshape(L, hkv, hd).transpose(1, 0, 2)
         qh = q.reshape(n, hkv, g, hd).transpose(1, 2, 0, 3).reshape(hkv, g * n, hd)
-        s = cp.matmul(qh, K).reshape(hkv, g, n, L) * _f32(scale)
-        causal = cp.arange(L)[None, :] > (pos0 + cp.arange(n))[:, None]
-        s = cp.where(causal, _f32(-np.inf), s)
-        s -= s.max(axis=-1, keepdims=True)
-        p = cp.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
-        o = cp.matmul(p.reshape(hkv, g * n, L), V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
+        p = cp.ascontiguousarray(cp.matmul(qh, K))                  # (hkv, g * n, L) scores
+        self.kernel("softmax_causal")((p.size // L,), (256,), (p, _i32(L), _i32(n), _i32(pos0), _f32(scale)))
+        o = cp.matmul(p, V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
         return cp.ascontiguousarray(o.reshape(n, hp.q_dim))
 
     def matmul(self, w: GpuWeight, x, name):
@@ -174,11 +195,25 @@ class CudaBackend(Backend):
                                                                       _i32(x_div)))
         return out
 
+    def expert_gate_up(self, L, x, ids, name):
+        """Decoding (n <= 8, quantized experts): one fused mat-vec launch reads gate and up
+        and applies SiLU, instead of a product, a round trip through memory and a kernel."""
+        n, top_k = ids.shape
+        w = L.gate_up if L.gate_up is not None else L.gate
+        if w.q is None or n > dispatch.MMVQ_MAX_TOKENS:
+            return super().expert_gate_up(L, x, ids, name)
+        from .fused import Operands, run_moe_gate_up
+        o = Operands(x, w.q if L.gate_up is not None else None, L.gate.q if L.gate is not None else None,
+                     L.up.q if L.up is not None else None, None, None, experts=True)
+        out = self.ws(name, (n, top_k, o.n_ff))
+        run_moe_gate_up(o, ids, out, "silu")
+        return out
+
     def route(self, logits, top_k, scale):
         n, E = logits.shape
         ids = self.ws("ids", (n, top_k), np.int32)
         wts = self.ws("wts", (n, top_k))
-        self.kernel("route_topk")(_grid(n, 128), (128,), (logits, _i32(n), _i32(E), _i32(top_k), _f32(scale),
+        self.kernel("route_topk")(_grid(n, 4), (128,), (logits, _i32(n), _i32(E), _i32(top_k), _f32(scale),
                                                            ids, wts))
         return ids, wts
 

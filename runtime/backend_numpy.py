@@ -130,10 +130,13 @@ class NumpyBackend(Backend):
         out = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
         x[...] = out.reshape(x.shape).astype(np.float32)
 
-    def attention(self, cache, il, q, k, v, pos, pos0, n, name):
-        hp = self.hp
+    def kv_store_(self, cache, il, k, v, pos, pos0):
+        n = k.shape[0]
         cache.k[il, pos0:pos0 + n] = k
         cache.v[il, pos0:pos0 + n] = v
+
+    def attention(self, cache, il, q, pos, pos0, n, name):
+        hp = self.hp
         L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
         K = cache.k[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
         V = cache.v[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)

@@ -20,27 +20,21 @@ def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
     B, hp, W = m.backend, m.hp, m.weights
     eps = hp.rms_eps
     x = B.embed(W.tok_embd, tokens, "x")
+    h = B.rms_norm(x, W.layers[0].attn_norm, eps, "h")
     for il, L in enumerate(W.layers):
-        h = B.rms_norm(x, L.attn_norm, eps, "h")
         q = B.matmul(L.wq, h, "q")
         k = B.matmul(L.wk, h, "k")
         v = B.matmul(L.wv, h, "v")
-        B.head_norm_(q, L.q_norm, hp.n_head, eps)
-        B.head_norm_(k, L.k_norm, hp.n_head_kv, eps)
-        B.rope_(q, pos, hp.n_head, hp.rope_base)
-        B.rope_(k, pos, hp.n_head_kv, hp.rope_base)
-        a = B.attention(m.cache, il, q, k, v, pos, pos0, n, "attn")
-        B.add_(x, B.matmul(L.wo, a, "attn_out"))
+        B.qk_norm_rope_store_(m.cache, il, q, k, v, L, pos, pos0)
+        a = B.attention(m.cache, il, q, pos, pos0, n, "attn")
+        h = B.add_rms_norm_(x, B.matmul(L.wo, a, "attn_out"), L.ffn_norm, eps, "h")
 
-        h = B.rms_norm(x, L.ffn_norm, eps, "h")
         ids, wts = B.route(B.matmul(L.router, h, "router"), hp.n_expert_used, hp.expert_weights_scale)
-        if L.gate_up is not None:
-            act = B.swiglu(B.mul_mat_id(L.gate_up, h, ids, "gate_up"), "act")
-        else:
-            act = B.swiglu_split(B.mul_mat_id(L.gate, h, ids, "gate"), B.mul_mat_id(L.up, h, ids, "up"), "act")
-        B.moe_combine_(x, B.mul_mat_id(L.down, act, ids, "down"), wts)
+        act = B.expert_gate_up(L, h, ids, "act")
+        # the residual sum and the next norm (the next layer's, or the output norm) together
+        nxt = W.layers[il + 1].attn_norm if il + 1 < len(W.layers) else W.output_norm
+        h = B.moe_combine_rms_norm_(x, B.mul_mat_id(L.down, act, ids, "down"), wts, nxt, eps, "h")
 
     if last_only and n > 1:
-        x = x[n - 1:n]
-    h = B.rms_norm(x, W.output_norm, eps, "h")
+        h = h[n - 1:n]      # RMSNorm is per row: normalising every row and keeping the last is the same
     return B.matmul(W.output, h, "logits")
