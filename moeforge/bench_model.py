@@ -117,6 +117,27 @@ def format_sweep(rows) -> str:
     return "\n".join(out)
 
 
+PROFILE_PAST = 128     # the decode step is profiled after this many cached positions
+
+
+def _profile(model, args) -> int:
+    """Per-op time of one decode step and one prompt ubatch (runtime.op_profile)."""
+    from .runtime.op_profile import format_profile, profile_forward
+    rng = np.random.default_rng(args.seed)
+    result = {}
+    for label, n, past in ((f"decode step: 1 token after {PROFILE_PAST} cached", 1, PROFILE_PAST),
+                           (f"prompt: one ubatch of {args.ubatch} tokens", args.ubatch, 0)):
+        prof = profile_forward(model, n, rng, n_past=past)
+        print(format_profile(prof, f"{model_label(model)}, {label}"), end="\n\n")
+        result[label] = {"method": prof.method, "total_us": round(prof.total_us, 2),
+                         "ops": [{"op": r.label, "calls": r.calls, "total_us": round(r.total_us, 2)}
+                                 for r in prof.rows]}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": args.model, "label": model_label(model), "profile": result}, fh, indent=1)
+    return 0
+
+
 def main(args) -> int:
     from .runtime.device import has_gpu
     if args.backend == "cuda" and not has_gpu():
@@ -125,8 +146,12 @@ def main(args) -> int:
         return 2
     from .runtime.model import load_model
     n_ctx = args.ctx if args.sweep else max([*args.p, *args.n, 1]) + 1
+    if args.profile:
+        n_ctx = max(n_ctx, PROFILE_PAST + args.ubatch + 1)
     model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch)
     label = "moeforge CUDA" if args.backend == "cuda" else "moeforge numpy"
+    if args.profile:
+        return _profile(model, args)
     if args.sweep:
         rows = sweep(model, args.ctx, args.sweep_pp, args.sweep_tg, args.seed)
         print(format_sweep(rows))

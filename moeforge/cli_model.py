@@ -120,6 +120,8 @@ def add_commands(sub) -> None:
     b.add_argument("--ctx", "-c", type=int, default=4096, help="context of the sweep (default 4096)")
     b.add_argument("--sweep-pp", type=int, default=512)
     b.add_argument("--sweep-tg", type=int, default=128)
+    b.add_argument("--profile", action="store_true",
+                   help="time every op of one decode step and one prompt ubatch (where the time goes)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
     b.add_argument("--json", default=None, help="write the numbers to this file")

@@ -80,3 +80,22 @@ def test_kernel_bench_is_untouched():
     from moeforge.cli_model import route_bench
     assert route_bench(["bench", "--types", "q4_0"]) == ["bench", "--types", "q4_0"]
     assert route_bench(["bench", "m.gguf", "-p", "512"]) == ["bench-model", "m.gguf", "-p", "512"]
+
+
+def test_profile_of_one_forward_pass(tiny, capsys, tmp_path):
+    """The per-op table on the numpy backend: one row per kind of op, each layer's call
+    counted, leaves only (the composed expert_gate_up shows as its product and swiglu)."""
+    out = tmp_path / "p.json"
+    assert main(["bench", tiny, "--backend", "numpy", "--profile", "-ub", "16", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "decode step: 1 token after 128 cached" in text and "one ubatch of 16 tokens" in text
+    data = json.loads(out.read_text())["profile"]
+    for prof in data.values():
+        rows = prof["ops"]
+        assert prof["method"] == "host clock per call"
+        assert abs(prof["total_us"] - sum(r["total_us"] for r in rows)) < 1e-3 * prof["total_us"] + 0.1
+        by = {r["op"]: r for r in rows}
+        assert by["matmul q"]["calls"] == 2 and by["attention attn"]["calls"] == 2
+        assert by["matmul logits"]["calls"] == 1 and by["route"]["calls"] == 2
+        assert "expert_gate_up act" not in by and by["swiglu_split act"]["calls"] == 2
+        assert all(r["total_us"] > 0 for r in rows)
