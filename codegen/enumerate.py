@@ -16,7 +16,7 @@ MMVQ_TOKENS = (1, 2, 4, 8)
 MMVQ_WARPS = (2, 4, 8)
 MMVQ_ROWS = (1, 2, 4)
 FUSED_WARPS = (4,)
-FUSED_ROWS = (1, 2)
+FUSED_ROWS = (1, 2, 4)
 
 
 def mmq_specs(q: QuantType) -> list[MmqSpec]:

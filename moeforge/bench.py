@@ -52,8 +52,10 @@ def sweep_choices(qtype: str, shape, n: int):
     out = []
     if n <= 4 * MMVQ_MAX_TOKENS:  # past the default switch too: where does the mat-vec stop winning?
         t = min(8, 1 << math.ceil(math.log2(n)))
+        # past 8 tokens each expert still sees only 1-2 (128 experts): small tiles too
+        tiles = {t, max(1, t // 2)} | ({1, 2, 4} if n > MMVQ_MAX_TOKENS else set())
         out += [Choice("mmvq", MmvqSpec(qtype, tokens=tt, warps=w, rows=r))
-                for tt in sorted({t, max(1, t // 2)}) for w in MMVQ_WARPS for r in MMVQ_ROWS]
+                for tt in sorted(tiles) for w in MMVQ_WARPS for r in MMVQ_ROWS]
         out += [Choice("mmvq", MmvqSpec(qtype, tokens=1, warps=w, rows=r, per_pair=True))
                 for w in MMVQ_WARPS for r in MMVQ_ROWS]
     per = n * top_k / E

@@ -30,16 +30,16 @@ def _weights(qtype, E, n_ff, k, rng, copies):
     return sets
 
 
-def _fused_specs(qtype, n, act, bias, sweep: bool):
+def _fused_specs(qtype, n, act, bias, sweep: bool, k: int):
     from .codegen.spec import MmvqSpec
     from .runtime import dispatch
-    default = dispatch.default_fused(qtype, n, act, bias, ids=True)
+    default = dispatch.default_fused(qtype, n, act, bias, ids=True, k=k)
     if not sweep:
         return [default]
     t = min(8, 1 << (n - 1).bit_length())
-    out = [default] + [MmvqSpec(qtype, tokens=t, warps=4, rows=r, act=act, bias=bias) for r in (1, 2)]
+    out = [default] + [MmvqSpec(qtype, tokens=t, warps=4, rows=r, act=act, bias=bias) for r in (1, 2, 4)]
     if n == 1:
-        out += [MmvqSpec(qtype, tokens=1, warps=4, rows=r, act=act, bias=bias, per_pair=True) for r in (1, 2)]
+        out += [MmvqSpec(qtype, tokens=1, warps=4, rows=r, act=act, bias=bias, per_pair=True) for r in (1, 2, 4)]
     seen, uniq = set(), []
     for s in out:
         if s not in seen:
@@ -88,7 +88,7 @@ def run(qtypes, reps: int, info: dict, bw_gbs: float, rows: list, rng, sweep: bo
                     cold = time_calls(lambda i: fn(i, copies), nc, calls=nc, reps=reps)
                     res[label] = (hot.median_us, cold.median_us)
                 best = None
-                for spec in _fused_specs(qtype, n, act, bias, sweep):
+                for spec in _fused_specs(qtype, n, act, bias, sweep, k):
                     hot = time_calls(lambda i: fused(0, 1, spec), 1, reps=reps)
                     cold = time_calls(lambda i: fused(i, copies, spec), nc, calls=nc, reps=reps)
                     print(f"    fused {spec.name}: {hot.median_us:.2f} / {cold.median_us:.2f} us", file=sys.stderr)

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from ..codegen.spec import KernelSpec, MmqSpec, MmvqSpec
 
 PATHS = ("mmvq", "mmq_id", "per_expert")
-MMVQ_MAX_TOKENS = 8     # past this the int8 tensor-core tiles win
+MMVQ_MAX_TOKENS = 8     # past this the int8 tensor-core tiles win by default
+# Expert mat-vec in routing-table mode stays correct for any n, and with 1-2 tokens per
+# expert (n = 16..32 of 128 experts x top-8) it streams whole weight rows where the
+# tensor-core tiles read 128-byte pieces of many rows: the tuner may choose it up to here.
+MMVQ_ID_TUNABLE_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,14 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
     return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, per_pair=True)
 
 
-def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool) -> MmvqSpec:
+def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
+    """One token and rows of at most two k-units (k <= 2048 for 32-value blocks): a
+    per-pair block quantizes x itself and streams four gate and four up rows per warp
+    (one launch, no routing). Longer rows (gpt-oss, k=2880) make that per-block
+    quantization the larger cost, and more tokens share each expert's weights: there the
+    routing tiles win (H100 sweeps, BENCHMARKS.md)."""
+    if n == 1 and 0 < k <= 2048:
+        return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, act=act, bias=bias, per_pair=True)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 

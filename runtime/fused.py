@@ -115,7 +115,7 @@ def run_moe_gate_up(o: "_Operands", ids, out, act: str, spec: MmvqSpec | None = 
     """The launches of moe_gate_up, on validated operands (graph-capturable for n <= 8)."""
     n, top_k = ids.shape
     if n <= dispatch.MMVQ_MAX_TOKENS:
-        spec = spec or dispatch.default_fused(o.gate.qtype, n, act, o.bias_g is not None, ids=True)
+        spec = spec or dispatch.default_fused(o.gate.qtype, n, act, o.bias_g is not None, ids=True, k=o.gate.k)
         _mmvq(spec, o.gate, o.x, ids, top_k, out, o.n_ff, up=o.up, up_off=o.up_off,
               rows_e=o.rows_e, bias_g=o.bias_g, bias_u=o.bias_u, bias_e=o.n_ff)
         return
@@ -141,7 +141,8 @@ def gate_up(x, *, gate_up: QuantTensor | None = None, gate: QuantTensor | None =
     if n == 0:
         return out
     if n <= dispatch.MMVQ_MAX_TOKENS:
-        spec = spec or dispatch.default_fused(ops_.gate.qtype, n, act, ops_.bias_g is not None, ids=False)
+        spec = spec or dispatch.default_fused(ops_.gate.qtype, n, act, ops_.bias_g is not None, ids=False,
+                                              k=ops_.gate.k)
         _mmvq(spec, ops_.gate, ops_.x, None, 1, out, ops_.n_ff, up=ops_.up, up_off=ops_.up_off,
               rows_e=ops_.rows_e, bias_g=ops_.bias_g, bias_u=ops_.bias_u, bias_e=ops_.n_ff)
         return out

@@ -68,9 +68,13 @@ class TuneKey:
         return self.n * top_k / E
 
 
+def mmvq_limit(op: str) -> int:
+    return dispatch.MMVQ_ID_TUNABLE_TOKENS if op == "mul_mat_id" else dispatch.MMVQ_MAX_TOKENS
+
+
 def mmvq_allowed(op: str, shape, n: int) -> bool:
-    """The mat-vec kernel's own limit (the same test dispatch applies)."""
-    return n <= dispatch.MMVQ_MAX_TOKENS
+    """Where the mat-vec path may be chosen (the same test profile lookup applies)."""
+    return n <= mmvq_limit(op)
 
 
 def path_allows(op: str, path: str, spec: KernelSpec, shape, n: int) -> str | None:
@@ -84,7 +88,7 @@ def path_allows(op: str, path: str, spec: KernelSpec, shape, n: int) -> str | No
         if spec.ids != (op == "mul_mat_id"):
             return f"mmvq spec ids={spec.ids} does not match {op}"
         if not mmvq_allowed(op, shape, n):
-            return f"mmvq handles n <= {dispatch.MMVQ_MAX_TOKENS}"
+            return f"mmvq handles n <= {mmvq_limit(op)} for {op}"
         return None
     if not isinstance(spec, MmqSpec):
         return f"the {path} path runs mmq specs"

@@ -73,7 +73,7 @@ MUTATIONS = {
     "spec field": (lambda d: d["entries"][2]["spec"].update(tile=3), "unknown fields"),
     "spec qtype": (lambda d: d["entries"][2]["spec"].update(qtype="q8_0"), "spec is for"),
     "path for spec": (lambda d: d["entries"][2].update(path="mmvq"), "plain mmvq specs"),
-    "mmvq past limits": (lambda d: d["entries"][1].update(n=16), "mmvq handles"),
+    "mmvq past limits": (lambda d: d["entries"][1].update(n=64), "mmvq handles"),
     "per_expert ids": (lambda d: d["entries"][4]["spec"].update(ids=True), "ids=False"),
     "unknown path": (lambda d: d["entries"][2].update(path="cublas"), "path must be one of"),
     "entry field": (lambda d: d["entries"][0].update(speed=3), "speed is not a known field"),
@@ -166,7 +166,7 @@ def test_verdict_unit():
     # tuned buckets 1, 8, 16, 64, 4096; distance is |log2 n - log2 bucket|
     (1, 1), (2, 1), (3, 8),          # log2 3 = 1.58: 1.42 from 8, 1.58 from 1
     (5, 8), (8, 8), (6, 8),
-    (9, 16), (11, 16), (23, 16), (24, 16), (31, 16),   # between 16 and 64 the midpoint is 32
+    (9, 8), (11, 8), (12, 16), (23, 16), (24, 16), (31, 16),   # between 16 and 64 the midpoint is 32
     (33, 64), (64, 64), (100, 64), (511, 64),
     (600, 4096), (4096, 4096), (100000, 4096),
 ])
@@ -182,8 +182,9 @@ def test_nearest_bucket_never_returns_an_illegal_path():
     p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", QWEN, 8), "mmvq", MmvqSpec("q4_0", tokens=8), 5.0, 6.0))
     p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", QWEN, 1024), "mmq_id", MmqSpec("q4_0", x=64, y=64, warps=4),
                    5.0, 6.0))
-    # 12 tokens: 8 is nearest, but mat-vec cannot run 12; the next legal one is taken
-    assert p.choose("mul_mat_id", "q4_0", QWEN, 12).path == "mmq_id"
+    # 40 tokens: 8 is nearest, but the mat-vec stops at 32; the next legal one is taken
+    assert p.choose("mul_mat_id", "q4_0", QWEN, 40).path == "mmq_id"
+    assert p.choose("mul_mat_id", "q4_0", QWEN, 12).path == "mmvq"
     assert p.choose("mul_mat_id", "q4_0", QWEN, 7).path == "mmvq"
     assert p.choose("mul_mat_id", "q4_0", (64, 6, 1408, 2048), 7) is None   # other shape: defaults
     assert p.choose("mul_mat_id", "q8_0", QWEN, 7) is None

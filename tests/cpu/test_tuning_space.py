@@ -36,7 +36,9 @@ def test_candidates_are_generated_instances_and_the_default_is_there(qtype, n):
 def test_mmvq_only_within_its_limits():
     assert "mmvq" in build(TuneKey("mul_mat_id", "q4_0", QWEN, 8)).paths
     assert "mmvq" in build(TuneKey("mul_mat_id", "q4_0", (16, 16, 64, 256), 8)).paths  # routing tiles: any top_k
-    assert "mmvq" not in build(TuneKey("mul_mat_id", "q4_0", QWEN, 16)).paths
+    assert "mmvq" in build(TuneKey("mul_mat_id", "q4_0", QWEN, 32)).paths    # 1-2 tokens per expert
+    assert "mmvq" not in build(TuneKey("mul_mat_id", "q4_0", QWEN, 64)).paths
+    assert "mmvq" not in build(TuneKey("mul_mat", "q4_0", (1, 1, 768, 2048), 16)).paths
     s = build(TuneKey("mul_mat_id", "q4_0", QWEN, 2))
     assert all(c.spec.tokens <= 2 for c in s.choices if c.path == "mmvq")
     assert any("more than n=2 can fill" in why for _, why in s.pruned)
@@ -56,7 +58,7 @@ def test_shared_memory_limit_prunes_before_compiling():
 def test_tiles_follow_tokens_per_expert():
     # n=16, E=128, top_k=8: one token per expert on average: only the narrowest tile
     s = build(TuneKey("mul_mat_id", "q4_0", QWEN, 16))
-    assert {c.spec.x for c in s.choices} == {8}
+    assert {c.spec.x for c in s.choices if c.path != "mmvq"} == {8}
     assert any("far more than" in why for _, why in s.pruned)
     # n=4096: 256 tokens per expert: no 8-wide tiles, the per-expert path is in play
     s = build(TuneKey("mul_mat_id", "q4_0", QWEN, 4096))
@@ -104,7 +106,8 @@ def test_path_rules_refuse_mismatched_specs():
     mmvq = MmvqSpec("q4_0", tokens=1, warps=4, rows=1, ids=True)
     mmq = MmqSpec("q4_0", x=8, y=128, warps=8, ids=True)
     assert sp.path_allows("mul_mat_id", "mmvq", mmvq, QWEN, 1) is None
-    assert sp.path_allows("mul_mat_id", "mmvq", mmvq, QWEN, 16) is not None
+    assert sp.path_allows("mul_mat_id", "mmvq", mmvq, QWEN, 32) is None
+    assert sp.path_allows("mul_mat_id", "mmvq", mmvq, QWEN, 64) is not None
     assert sp.path_allows("mul_mat_id", "per_expert", mmq, QWEN, 512) is not None   # needs ids=False
     assert sp.path_allows("mul_mat_id", "mmq", mmq, QWEN, 512) is not None           # no such path
     assert sp.path_allows("mul_mat_id", "mmvq", MmvqSpec("q4_0", act="silu"), QWEN, 1) is not None

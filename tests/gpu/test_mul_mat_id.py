@@ -46,6 +46,10 @@ def _choices(qtype, n, top_k):
     if n <= 8:
         out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r))
                 for t, w, r in ((1, 4, 1), (8, 4, 2), (4, 2, 4), (2, 8, 1), (1, 8, 4))]
+    if 8 < n <= 64:   # the tuner may pick the routed mat-vec up to 32 tokens (any n is correct)
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=t, warps=w, rows=r))
+                for t, w, r in ((1, 4, 4), (2, 8, 2), (4, 4, 1), (8, 2, 4))]
+    if n <= 64:
         out += [Choice("mmvq", MmvqSpec(qtype, tokens=1, warps=w, rows=r, per_pair=True))
                 for w, r in ((4, 2), (2, 1), (8, 4))]
     out += [Choice("mmq_id", MmqSpec(qtype, x=8, y=128, warps=8, stages=3, stream_k=True)),
