@@ -126,6 +126,16 @@ def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
     return TensorRef(name, gate.qtype, (E, 2 * ff, k), load)
 
 
+def merge_rows(parts: list[TensorRef], name: str) -> TensorRef:
+    """2-D tensors of one type and width stacked by rows (q, k and v: one product)."""
+    rows = sum(p.shape[0] for p in parts)
+
+    def load():
+        return np.concatenate([p.load().reshape(p.shape[0], -1) for p in parts], axis=0)
+
+    return TensorRef(name, parts[0].qtype, (rows, parts[0].shape[1]), load)
+
+
 @dataclass
 class LayerRefs:
     attn_norm: TensorRef

@@ -30,6 +30,7 @@ class LayerWeights:
     gate_up: object = None
     gate: object = None
     up: object = None
+    wqkv: object = None        # q, k, v rows stacked, where the backend runs them as one product
 
 
 @dataclass
@@ -70,11 +71,13 @@ class Backend:
         out = tok if refs.output is refs.tok_embd else M(refs.output)
         layers = []
         for i, L in enumerate(refs.layers):
+            wqkv = self.stacked_qkv(L)
+            wq, wk, wv = (None, None, None) if wqkv is not None else (M(L.wq), M(L.wk), M(L.wv))
             layers.append(LayerWeights(
-                V(L.attn_norm), M(L.wq), M(L.wk), M(L.wv), M(L.wo), V(L.q_norm), V(L.k_norm),
+                V(L.attn_norm), wq, wk, wv, M(L.wo), V(L.q_norm), V(L.k_norm),
                 V(L.ffn_norm), M(L.router), M(L.down),
                 gate_up=M(L.gate_up) if L.gate_up else None,
-                gate=M(L.gate) if L.gate else None, up=M(L.up) if L.up else None))
+                gate=M(L.gate) if L.gate else None, up=M(L.up) if L.up else None, wqkv=wqkv))
             if progress:
                 progress(i + 1, len(refs.layers))
         return Weights(tok, V(refs.output_norm), out, layers)
@@ -82,8 +85,16 @@ class Backend:
     def new_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.xp, self.hp, n_ctx)
 
+    def stacked_qkv(self, L):
+        """q, k and v as one stacked matrix, or None to keep three (the default)."""
+        return None
+
     # -- ops every backend composes the same way -------------------------------------------
     # A backend with fused kernels overrides these; the compositions here are the reference.
+    def qkv(self, L: LayerWeights, x):
+        """The three attention projections of x."""
+        return self.matmul(L.wq, x, "q"), self.matmul(L.wk, x, "k"), self.matmul(L.wv, x, "v")
+
     def qk_norm_rope_store_(self, cache, il, q, k, v, L: LayerWeights, pos, pos0):
         """Per-head RMSNorm and NEOX RoPE of q and k in place; k and v into the cache."""
         hp = self.hp

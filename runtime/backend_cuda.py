@@ -96,7 +96,32 @@ class CudaBackend(Backend):
         host = _float_rows(np.asarray(ref.load()).reshape(-1, ref.shape[-1]), ref.qtype).reshape(ref.shape)
         return GpuWeight(ref.qtype, ref.shape, f=self.cp.asarray(host))
 
+    def stacked_qkv(self, L):
+        """Quantized q, k, v of one type become one matrix: one product (at decode one launch
+        instead of three); the separate ones are not uploaded."""
+        parts = (L.wq, L.wk, L.wv)
+        if not all(p.quantized and p.qtype == L.wq.qtype for p in parts):
+            return None
+        from .arch_qwen3moe import merge_rows
+        return self.matrix(merge_rows(list(parts), L.wq.name.replace("attn_q", "attn_qkv")))
+
     # -- ops ------------------------------------------------------------------------------------
+    def qkv(self, L, x):
+        if L.wqkv is None:
+            return super().qkv(L, x)
+        hp = self.hp
+        both = self.matmul(L.wqkv, x, "qkv")
+        cuts = (0, hp.q_dim, hp.q_dim + hp.kv_dim, hp.q_dim + 2 * hp.kv_dim)
+        views = [both[:, a:b] for a, b in zip(cuts, cuts[1:])]
+        if x.shape[0] == 1:
+            return views                      # one row: the slices are contiguous
+        outs = []
+        for name, v in zip(("q", "k", "v"), views):
+            out = self.ws(name, v.shape)
+            out[...] = v
+            outs.append(out)
+        return outs
+
     def embed(self, w: GpuWeight, tokens, name):
         n, k = tokens.shape[0], w.shape[-1]
         out = self.ws(name, (n, k))

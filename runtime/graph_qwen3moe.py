@@ -22,9 +22,7 @@ def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
     x = B.embed(W.tok_embd, tokens, "x")
     h = B.rms_norm(x, W.layers[0].attn_norm, eps, "h")
     for il, L in enumerate(W.layers):
-        q = B.matmul(L.wq, h, "q")
-        k = B.matmul(L.wk, h, "k")
-        v = B.matmul(L.wv, h, "v")
+        q, k, v = B.qkv(L, h)
         B.qk_norm_rope_store_(m.cache, il, q, k, v, L, pos, pos0)
         a = B.attention(m.cache, il, q, pos, pos0, n, "attn")
         h = B.add_rms_norm_(x, B.matmul(L.wo, a, "attn_out"), L.ffn_norm, eps, "h")

@@ -205,3 +205,22 @@ def test_fused_model_kernels_match_their_compositions(parity_models):
             B.synchronize()
         np.testing.assert_allclose(xa.get(), xb.get(), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(ha.get(), hb.get(), rtol=2e-5, atol=2e-5)
+
+
+def test_stacked_qkv_equals_three_products(parity_models, monkeypatch):
+    """q, k, v as one stacked product (decode: one launch) against three separate ones,
+    in a prompt (slices copied out) and in decode steps (slices used in place)."""
+    from moeforge.runtime.backend_cuda import CudaBackend
+    fx = parity_models["q4_0"]
+    toks = fx["tokens"][:20]
+
+    def run():
+        m = load_model(fx["path"], backend="cuda")
+        m.reset(len(toks))
+        return m, np.concatenate([m.eval(toks[:12]), *(m.eval([t]) for t in toks[12:])])
+    m1, stacked = run()
+    assert all(L.wqkv is not None and L.wq is None for L in m1.weights.layers)
+    monkeypatch.setattr(CudaBackend, "stacked_qkv", lambda self, L: None)
+    m2, separate = run()
+    assert all(L.wqkv is None for L in m2.weights.layers)
+    np.testing.assert_allclose(stacked, separate, rtol=0, atol=1e-4 * np.abs(separate).max())
