@@ -40,7 +40,9 @@ def _keys(args, ops=("mul_mat_id",)) -> list:
     from .tuning.shapes import DEFAULT_SET, NAMED, model_shapes, parse_shape
     from .tuning.space import ANCHOR_N, BUCKETS, TuneKey
     types = None
-    if getattr(args, "model", None):
+    if getattr(args, "model", None) and "mul_mat_id" not in ops:
+        shapes = []                      # dense products: their shapes come from the model below
+    elif getattr(args, "model", None):
         shapes, model_types = model_shapes(args.model)
         from .codegen.quant import QUANT_TYPES
         types = [t for t in model_types if t in QUANT_TYPES]
@@ -65,6 +67,16 @@ def _keys(args, ops=("mul_mat_id",)) -> list:
             raise ValueError(f"--n: token buckets are powers of two from 1 to {BUCKETS[-1]}; got {bad or 'none'}")
     keys = []
     for op in ops:
+        if op == "mul_mat" and getattr(args, "model", None):
+            # the model's own dense products, each in the type it is stored in
+            from .tuning.shapes import model_dense_shapes
+            dense = [(m, k, q) for m, k, q in model_dense_shapes(args.model)
+                     if not args.types or q in types]
+            if not dense:
+                raise ValueError(f"{args.model}: no dense quantized product of the tuned types "
+                                 f"({', '.join(types)}) in its first layer or output head")
+            keys += [TuneKey(op, q, (1, 1, m, k), n) for m, k, q in dense for n in ns]
+            continue
         for q in types:
             for s in shapes:
                 shape = s if op == "mul_mat_id" else (1, 1, s[2], s[3])
@@ -364,7 +376,8 @@ def add_commands(sub) -> None:
                      help="qwen3-30b-a3b, deepseek-v2-lite, gpt-oss-20b or E,top_k,m,k (repeatable; "
                           "default: those three)")
     t.add_argument("--types", default=None, help="quant types, comma separated (default: q4_0,q8_0)")
-    t.add_argument("--op", choices=("mul_mat_id", "mul_mat"), default="mul_mat_id")
+    t.add_argument("--op", choices=("mul_mat_id", "mul_mat"), default="mul_mat_id",
+                   help="mul_mat_id: expert products; mul_mat: dense (with --model, its own projections)")
     t.add_argument("--n", default=None, help="token buckets, powers of two (default: 1,4,8,...,4096)")
     t.add_argument("--trials", type=int, default=None,
                    help=f"measured trials per bucket (default {DEFAULT_TRIALS} unless --time-budget is given)")

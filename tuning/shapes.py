@@ -59,3 +59,29 @@ def model_shapes(path: str | Path) -> tuple[list[tuple[int, int, int, int]], lis
         shapes.append((E, top_k, embd, ff))
     types = sorted({t.tensor_type.name.lower() for t in reader.tensors if "_exps" in t.name})
     return shapes, types
+
+
+def model_dense_shapes(path: str | Path) -> list[tuple[int, int, str]]:
+    """(m, k, quant type) of the dense quantized products a model's forward pass runs on
+    the GPU, read from its first layer's tensors: q, k and v stacked into one product where
+    they share a quantized type (as the CUDA backend runs them), the attention output, and
+    the output head (the token embedding where the file ties them)."""
+    import gguf
+
+    from ..codegen.quant import QUANT_TYPES
+    reader = gguf.GGUFReader(str(path))
+    T = {t.name: t for t in reader.tensors}
+
+    def mk(name: str):
+        t = T.get(name)
+        if t is None or len(t.shape) != 2:
+            return None
+        return int(t.shape[1]), int(t.shape[0]), t.tensor_type.name.lower()   # GGUF order: (k, m)
+    q, k, v = (mk(f"blk.0.attn_{x}.weight") for x in ("q", "k", "v"))
+    out = []
+    if q and k and v and q[2] == k[2] == v[2] and q[2] in QUANT_TYPES and q[1] == k[1] == v[1]:
+        out.append((q[0] + k[0] + v[0], q[1], q[2]))
+    else:
+        out += [w for w in (q, k, v) if w]
+    out += [w for w in (mk("blk.0.attn_output.weight"), mk("output.weight") or mk("token_embd.weight")) if w]
+    return [w for w in dict.fromkeys(out) if w[2] in QUANT_TYPES]

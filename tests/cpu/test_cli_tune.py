@@ -163,3 +163,24 @@ def test_profile_import_validates(no_gpu, capsys, tmp_path):
     notyaml = tmp_path / "x.yaml"
     notyaml.write_bytes(b"\x00\x01 :: [")
     assert main(["profile", "import", str(notyaml), "--profile-dir", str(tmp_path / "p")]) == 1
+
+
+def test_dense_shapes_of_a_model(tmp_path):
+    """`tune --model F --op mul_mat` tunes the products the CUDA runtime runs: q, k, v
+    stacked into one, the attention output, the output head."""
+    from types import SimpleNamespace
+
+    from moeforge.cli_tune import _keys
+    from moeforge.runtime.model import load_model
+    from moeforge.tuning.shapes import model_dense_shapes
+    f = str(tmp_path / "tiny.gguf")
+    assert main(["synth", "--preset", "tiny", "--type", "q4_0", f, "--quiet"]) == 0
+    hp = load_model(f, backend="numpy").hp
+    want = [(hp.q_dim + 2 * hp.kv_dim, hp.n_embd, "q4_0"), (hp.n_embd, hp.q_dim, "q4_0"),
+            (hp.n_vocab, hp.n_embd, "q4_0")]
+    assert model_dense_shapes(f) == want
+    keys = _keys(SimpleNamespace(model=f, shape=None, types=None, n="1,512"), ops=("mul_mat",))
+    assert {(k.op, k.qtype, k.shape, k.n) for k in keys} == {
+        ("mul_mat", "q4_0", (1, 1, m, kk), n) for m, kk, _ in want for n in (1, 512)}
+    with pytest.raises(ValueError, match="no dense quantized product"):
+        _keys(SimpleNamespace(model=f, shape=None, types="q8_0", n="1"), ops=("mul_mat",))
