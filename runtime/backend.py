@@ -104,6 +104,10 @@ class Backend:
         self.rope_(k, pos, hp.n_head_kv, hp.rope_base)
         self.kv_store_(cache, il, k, v, pos, pos0)
 
+    def route_tokens(self, router, x, top_k, scale):
+        """Router logits, then each token's top_k experts and their renormalised weights."""
+        return self.route(self.matmul(router, x, "router"), top_k, scale)
+
     def add_rms_norm_(self, x, y, w, eps, name):
         """x += y; returns rms_norm(x) * w."""
         self.add_(x, y)

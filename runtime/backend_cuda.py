@@ -51,6 +51,7 @@ class CudaBackend(Backend):
         self.use_graphs = True
         self._graph = self._graph_key = self._graph_out = self._warm_key = None
         self._step_in = None
+        self._counter = None
 
     def context(self):
         return self.stream
@@ -233,6 +234,21 @@ class CudaBackend(Backend):
         out = self.ws(name, (n, top_k, o.n_ff))
         run_moe_gate_up(o, ids, out, "silu")
         return out
+
+    def route_tokens(self, router, x, top_k, scale):
+        n, k = x.shape
+        if router.f is None or n > dispatch.MMVQ_MAX_TOKENS:
+            return super().route_tokens(router, x, top_k, scale)
+        m = router.shape[0]
+        if self._counter is None:
+            self._counter = self.cp.zeros(1, dtype=self.cp.uint32)   # router_route resets it after use
+            self.generation += 1
+        logits = self.ws("router", (n, m))
+        ids = self.ws("ids", (n, top_k), np.int32)
+        wts = self.ws("wts", (n, top_k))
+        self.kernel("router_route")((-(-m // 8), n), (256,), (router.f, x, logits, _i32(m), _i32(k), _i32(n),
+                                                            _i32(top_k), _f32(scale), ids, wts, self._counter))
+        return ids, wts
 
     def route(self, logits, top_k, scale):
         n, E = logits.shape

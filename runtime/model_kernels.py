@@ -290,7 +290,7 @@ __device__ void route_one(const float* l, int n_exp, int top_k, float scale, int
 #pragma unroll
     for (int i = 0; i < ROUTE_SLOTS; ++i) {
         const int e = lane + 32 * i;
-        v[i] = e < n_exp ? l[e] : NEG_INF;
+        v[i] = e < n_exp ? __ldcg(l + e) : NEG_INF;   // L2: router_route's last block reads others' logits
         mx = fmaxf(mx, v[i]);
     }
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -332,6 +332,7 @@ extern "C" __global__ void route_topk(const float* logits, int n, int n_exp, int
     route_one(logits + (long)t * n_exp, n_exp, top_k, scale, ids + t * top_k, wts + t * top_k);
 }
 
+
 // gu: rows of [gate (ff) | up (ff)]; out: rows of silu(gate) * up.
 extern "C" __global__ void swiglu(const float* gu, float* out, long rows, int ff) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -351,10 +352,9 @@ extern "C" __global__ void swiglu_split(const float* g, const float* u, float* o
 
 // out[t, r] = W[r] . x[t] for float32 weights and a few tokens (the router, float test
 // models): one warp per row, so the decode step needs no cuBLAS call inside the graph.
-extern "C" __global__ void dense_f32(const float* w, const float* x, float* out, int m, int k) {
+// One output of a float32 product: warp per row, lanes over k (16-byte loads when aligned).
+__device__ __forceinline__ void dense_row(const float* w, const float* x, float* out, int m, int k, int r, int t) {
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), t = blockIdx.y;
-    if (r >= m) return;
     const float* wr = w + (long)r * k;
     const float* xt = x + (long)t * k;
     float s = 0.0f;
@@ -371,6 +371,34 @@ extern "C" __global__ void dense_f32(const float* w, const float* x, float* out,
     }
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) out[(long)t * m + r] = s;
+}
+
+extern "C" __global__ void dense_f32(const float* w, const float* x, float* out, int m, int k) {
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), t = blockIdx.y;
+    if (r < m) dense_row(w, x, out, m, k, r, t);
+}
+
+// Decode: the float32 router product and the routing in one launch. Blocks compute 8
+// logits each exactly as dense_f32 does; the last block to finish (a global counter,
+// which it resets for the next launch) routes every token from the logits in L2. A
+// single block doing the product as well was slower: 1 MB of router weights is too much
+// for one SM.
+extern "C" __global__ void router_route(const float* w, const float* x, float* logits, int m, int k, int n,
+                                        int top_k, float scale, int* ids, float* wts, unsigned* counter) {
+    __shared__ bool last;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), t = blockIdx.y;
+    if (r < m) dense_row(w, x, logits, m, k, r, t);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();                                   // this block's logits, before the count
+        last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int tt = threadIdx.x >> 5; tt < n; tt += blockDim.x >> 5)
+        route_one(logits + (long)tt * m, m, top_k, scale, ids + tt * top_k, wts + tt * top_k);
+    if (threadIdx.x == 0) *counter = 0u;
 }
 
 // Float32 experts (test models): out[entry, r] = W[ids[entry]][r] . x[entry / x_div];
@@ -400,7 +428,7 @@ extern "C" __global__ void moe_combine(float* x, const float* y, const float* w,
 """
 
 KERNELS = ("get_rows_q4_0", "get_rows_q8_0", "rms_norm", "rope_neox", "kv_store", "attn_decode",
-           "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal",
+           "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route",
            "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_id",
            "moe_combine")
 MAX_EXPERTS = 512

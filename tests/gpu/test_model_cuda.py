@@ -224,3 +224,25 @@ def test_stacked_qkv_equals_three_products(parity_models, monkeypatch):
     m2, separate = run()
     assert all(L.wqkv is None for L in m2.weights.layers)
     np.testing.assert_allclose(stacked, separate, rtol=0, atol=1e-4 * np.abs(separate).max())
+
+
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_router_and_routing_in_one_launch(parity_models, n):
+    """route_tokens (the last block routes every token) against the product then the
+    routing kernel: the same logits sum order, so the same bits; three calls in a row
+    check that the launch resets its counter for the next one."""
+    import cupy as cp
+    from moeforge.runtime.backend import Backend
+    m = load_model(parity_models["q4_0"]["path"], backend="cuda")
+    B, hp, L = m.backend, m.hp, m.weights.layers[-1]
+    assert L.router.f is not None, "the fixture's router should be float32"
+    rng = np.random.default_rng()
+    for _ in range(3):
+        h = cp.asarray(rng.standard_normal((n, hp.n_embd)).astype(np.float32))
+        with B.context():
+            ia, wa = (a.copy() for a in B.route_tokens(L.router, h, hp.n_expert_used, 1.0))
+            ib, wb = (a.copy() for a in Backend.route_tokens(B, L.router, h, hp.n_expert_used, 1.0))
+            B.synchronize()
+        np.testing.assert_array_equal(ia.get(), ib.get())
+        np.testing.assert_array_equal(wa.get(), wb.get())
+    assert int(B._counter.get()[0]) == 0
