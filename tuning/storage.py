@@ -77,16 +77,28 @@ def _sqlite_fast(storage) -> None:
     """A trial makes ~20 small commits; with SQLite's default rollback journal each one
     waits for an fsync (~10 ms here), which costs more than a fast kernel's whole trial. WAL
     with synchronous=NORMAL is still crash-safe for the database (a power cut can lose the
-    last commits, never corrupt the file) and lets local readers run beside the writer."""
+    last commits, never corrupt the file) and lets local readers run beside the writer.
+
+    Every transaction also starts with BEGIN IMMEDIATE. Python's sqlite3 driver otherwise
+    opens a transaction only at the first write, so Optuna's read-check-write of a waiting
+    trial (SELECT ... FOR UPDATE, which SQLite ignores) is not atomic, and two workers could
+    both take the same enqueued trial: both measure it, and the second to finish is refused
+    ("Cannot tell a COMPLETE trial") and kills its worker. Taking the write lock up front
+    serializes those updates; readers outside a transaction still run beside them (WAL)."""
     import sqlalchemy
 
     def on_connect(conn, _record):
+        conn.isolation_level = None    # the driver stops issuing its own deferred BEGIN
         cur = conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
+    def on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
     sqlalchemy.event.listen(storage.engine, "connect", on_connect)
+    sqlalchemy.event.listen(storage.engine, "begin", on_begin)
     storage.engine.dispose()   # connections opened while creating the tables lack the pragmas
 
 

@@ -152,8 +152,16 @@ class StudyRun:
     def _one(self) -> bool:
         """Run one trial; True when it measured something."""
         self.last = None
-        self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,),
-                            callbacks=[lambda s, t: setattr(self, "last", t)])
+        try:
+            self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,),
+                                callbacks=[lambda s, t: setattr(self, "last", t)])
+        except ValueError as e:
+            # Another worker finished this trial meanwhile (it judged our heartbeat stale
+            # and failed it, so a retry of it is queued): our result is dropped, and the
+            # worker goes on rather than dying with the study unfinished.
+            if "Cannot tell a" not in str(e):
+                raise
+            return False
         return self.last is not None and measured(self.last)
 
     def state(self):

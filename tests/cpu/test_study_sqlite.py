@@ -136,3 +136,39 @@ def test_one_worker_process_per_gpu_share_the_studies(tmp_path, monkeypatch):
     assert 16 <= len(measured) <= 17
     assert len({t.user_attrs["worker"] for t in measured}) == 2
     assert list((tmp_path / "prof").glob("*.yaml"))
+
+
+def _take_waiting(url: str, conn) -> None:
+    from moeforge.tuning.storage import make_storage
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.load_study(study_name="race", storage=make_storage(url))
+    taken = []
+    while (tid := study._pop_waiting_trial_id()) is not None:
+        taken.append(tid)
+    conn.send(taken)
+
+
+def test_concurrent_workers_never_take_the_same_waiting_trial(tmp_path):
+    """Workers racing for enqueued trials on one SQLite file each get distinct ones (the
+    pysqlite driver's deferred BEGIN once let two of them take the same trial; the second
+    to finish it then died on "Cannot tell a COMPLETE trial")."""
+    import multiprocessing as mp
+
+    from moeforge.tuning.storage import make_storage
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    study = optuna.create_study(study_name="race", storage=make_storage(url))
+    for k in range(150):
+        study.enqueue_trial({"x": k})
+    ctx = mp.get_context("fork")
+    pipes, procs = [], []
+    for _ in range(5):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_take_waiting, args=(url, send))
+        p.start()
+        pipes.append(recv)
+        procs.append(p)
+    taken = [tid for r in pipes for tid in r.recv()]
+    for p in procs:
+        p.join(60)
+    assert len(taken) == 150, f"{len(taken) - len(set(taken))} trials were taken twice"
+    assert len(set(taken)) == 150
