@@ -28,9 +28,17 @@ def render(spec: KernelSpec) -> str:
     return _env().get_template(spec.template).render(spec=spec, **extra)
 
 
+@lru_cache(maxsize=None)
+def source_hash(spec: KernelSpec) -> str:
+    """Hash of one instance's rendered source: what a profile entry records, so that it is
+    trusted exactly as long as the kernel it timed is the kernel that would run."""
+    return hashlib.sha256(render(spec).encode()).hexdigest()[:16]
+
+
 @lru_cache(maxsize=1)
 def templates_hash() -> str:
-    """Hash of every template file: part of the GPU profile fingerprint."""
+    """Hash of every template file: recorded in a profile's fingerprint and part of each
+    study's name (a study never mixes timings of different kernels)."""
     root = resources.files("moeforge.templates")
     h = hashlib.sha256()
     for entry in sorted(root.iterdir(), key=lambda p: p.name):

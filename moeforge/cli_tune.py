@@ -84,26 +84,55 @@ def _keys(args, ops=("mul_mat_id",)) -> list:
     return sorted(set(keys))
 
 
-def _save_profile(fp: dict, results, profile_dir) -> Path | None:
-    from .tuning import activate
-    from .tuning.profile import Entry, Profile, ProfileError, file_name, load, save
-    path = Path(profile_dir) / file_name(fp)
-    prof = Profile(dict(fp))
+def _base_profile(fp: dict, path: Path):
+    """What new entries merge into: the profile already at `path`, else the one shipped for
+    this fingerprint (so tuning a few buckets keeps the rest of the shipped tuning), else
+    an empty one. Entries timed on kernels whose source has changed since are dropped (the
+    file's fingerprint becomes this run's, and it must not vouch for them)."""
+    from .codegen.render import source_hash
+    from .tuning.paths import shipped_profiles
+    from .tuning.profile import Entry, Profile, ProfileError, load
+    base = Profile(dict(fp))
     if path.exists():
         try:
-            prof = load(path)
+            base = load(path)
         except ProfileError as e:
             keep = path.with_name(path.name + f".corrupt-{int(time.time())}")
             path.replace(keep)
             _err(f"moeforge tune: the existing profile was corrupt ({'; '.join(e.problems[:3])}); "
                  f"moved it to {keep} and wrote a new one")
-            prof = Profile(dict(fp))
+    else:
+        shipped = [p for p in shipped_profiles() if p.name == path.name]
+        if shipped:
+            try:
+                base = load(shipped[0])
+            except ProfileError as e:
+                _err(f"moeforge tune: the shipped profile {shipped[0]} is corrupt and is not merged: {e}")
+    kept, dropped = base.with_current_kernels(fp["templates"])
+    if dropped:
+        _err(f"moeforge tune: {dropped} entries of {base.source} were timed on kernels that have changed "
+             f"since; they are dropped (re-tune their buckets to restore them)")
+    out = Profile(dict(fp), created=kept.created, source=str(path))
+    for e in kept.entries.values():
+        # entries of this template set that predate the per-entry hash get theirs now
+        out.put(e if "kernel" in e.extra else
+                Entry(e.key, e.path, e.spec, e.us, e.default_us, {**e.extra, "kernel": source_hash(e.spec)}))
+    return out
+
+
+def _save_profile(fp: dict, results, profile_dir) -> Path | None:
+    from .codegen.render import source_hash
+    from .tuning import activate
+    from .tuning.profile import Entry, file_name, save
+    path = Path(profile_dir) / file_name(fp)
+    prof = _base_profile(fp, path)
     n = 0
     for r in results:
         if r.choice is None or not r.default_us:
             continue   # nothing measured, or the default was not: no entry is better than a guess
         extra = {"default_spec": _default_name(r.key), "trials": r.trials}
         extra.update({k: round(float(v), 3) for k, v in r.attrs.items()})
+        extra["kernel"] = source_hash(r.choice.spec)
         prof.put(Entry(r.key, r.choice.path, r.choice.spec, r.best_us, r.default_us, extra))
         n += 1
     if not n:
@@ -273,6 +302,7 @@ def cmd_profile(args) -> int:
         print(pdir / file_name(fp))
         return 0
     if args.action == "list":
+        from .codegen.render import templates_hash
         here = _current_fp()
         files = candidate_files(pdir)
         if not files:
@@ -290,9 +320,11 @@ def cmd_profile(args) -> int:
                 v, diffs = fpmod.verdict(fp, here)
                 status = {"match": "  [this GPU]", "soft": "  [this GPU, other software: used with a warning]",
                           "refuse": ""}[v]
+            usable, stale = p.with_current_kernels(templates_hash())
+            note = f" ({stale} timed on kernels that have changed since: not used)" if stale else ""
             print(f"{f}{status}\n    {fp['gpu']} (cc {fp['cc']}, {fp['sm_count']} SMs, {fp['memory_gib']} GiB), "
                   f"driver {fp['driver']}, CUDA {fp['cuda_runtime']}, NVRTC {fp['nvrtc']}, moeforge {fp['moeforge']}, "
-                  f"templates {fp['templates']}: {len(p.entries)} entries")
+                  f"templates {fp['templates']}: {len(p.entries)} entries{note}")
         return 0
     if args.action == "show":
         target = _find(args.target, args.profile_dir)

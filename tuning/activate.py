@@ -3,9 +3,11 @@ the fingerprint of the current device.
 
 Search order: the user's profile directory (what `moeforge tune` wrote or `profile import`
 brought), then the profiles shipped in the package. An exact fingerprint match wins; a
-profile of the same chip made under another driver/toolkit is used with one warning; any
-other difference is refused with a warning naming every differing field; a corrupt file is
-reported and skipped. Nothing here may break a product: on any surprise, defaults.
+profile of the same chip made under another driver/toolkit is used with one warning; one
+made under other kernel templates is used for the entries whose kernel source is unchanged,
+with one warning saying how many were left out; any other difference is refused with a
+warning naming every differing field; a corrupt file is reported and skipped. Nothing here
+may break a product: on any surprise, defaults.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def candidate_files(user_dir: Path | None = None) -> list[Path]:
 def resolve(here: dict, files: list[Path] | None = None, warn=_warn) -> Profile | None:
     """The profile to use for fingerprint `here`, or None for the defaults."""
     files = candidate_files() if files is None else files
-    soft, refused = None, []
+    soft, refused = [], []
     for path in files:
         try:
             prof = load(path)
@@ -50,21 +52,31 @@ def resolve(here: dict, files: list[Path] | None = None, warn=_warn) -> Profile 
         v, diffs = fpmod.verdict(prof.fingerprint, here)
         if v == "match":
             return prof
-        if v == "soft" and soft is None:
-            soft = (prof, diffs)
-        elif v == "refuse":
-            refused.append((prof, diffs))
-    if soft is not None:
-        prof, diffs = soft
-        warn(f"moeforge: using profile {prof.source}, tuned on the same GPU under other software "
-             f"({fpmod.describe(diffs)}); re-run `moeforge tune` to refresh it")
-        return prof
+        (soft if v == "soft" else refused).append((prof, diffs, ""))
+    for prof, diffs, _ in soft:
+        usable, dropped = prof.with_current_kernels(here.get("templates"))
+        if not usable.entries:
+            refused.append((prof, diffs, f" (the kernels of all its {dropped} entries have changed since)"))
+            continue
+        per_entry = [k for k, _, _ in diffs if k in fpmod.PER_ENTRY]
+        under = ("other kernel templates" if len(per_entry) == len(diffs) else
+                 "other software and kernel templates" if per_entry else "other software")
+        if dropped:
+            warn(f"moeforge: using {len(usable.entries)} of the {len(prof.entries)} entries of profile "
+                 f"{prof.source}, tuned on this GPU under {under} ({fpmod.describe(diffs)}); the {dropped} "
+                 f"whose kernels have changed since run the default kernels until `moeforge tune` "
+                 f"re-measures them")
+        else:
+            warn(f"moeforge: using profile {prof.source}, tuned on the same GPU under {under} "
+                 f"({fpmod.describe(diffs)}{'; no kernel of its entries has changed' if per_entry else ''}); "
+                 f"re-run `moeforge tune` to refresh it")
+        return usable
     if refused:
         # Name the nearest refused profile (fewest differing fields): that is the one the
         # user most likely expected to apply.
-        prof, diffs = min(refused, key=lambda pd: len(pd[1]))
+        prof, diffs, why = min(refused, key=lambda pd: len(pd[1]))
         warn(f"moeforge: no profile matches this GPU ({here.get('gpu')}); profile {prof.source} is not "
-             f"used because {fpmod.describe(diffs)}; running the default kernels")
+             f"used because {fpmod.describe(diffs)}{why}; running the default kernels")
     else:
         warn(f"moeforge: no tuned profile for {here.get('gpu')}; running the default kernels "
              f"(`moeforge tune` makes one)")

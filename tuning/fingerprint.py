@@ -1,10 +1,16 @@
 """What a profile (and a study) is valid for, and what to do when it was made elsewhere.
 
 A measured winner depends on the chip (name, compute capability, SM count, memory size),
-on the code that was timed (moeforge version, template hash) and, more weakly, on the
+on the code that was timed (moeforge version, the kernels' source) and, more weakly, on the
 software under it (driver, CUDA runtime, NVRTC). The policy: the same chip with other
 software still gives good choices, so the profile is used with a warning; a different chip
-or different code means the choices may be wrong or slow, so the profile is refused.
+or another moeforge means the choices may be wrong or slow, so the profile is refused.
+
+The template set is judged per entry, not per profile: each entry records the hash of the
+source of the kernel it chose (profile.Entry, "kernel"), and under other templates an entry
+is used only where that source is unchanged. A change to one kernel family then costs a
+re-tune of the buckets that use it, not of the whole profile; and because `ident` leaves
+the templates out, that re-tune merges into the same file.
 """
 from __future__ import annotations
 
@@ -19,8 +25,10 @@ FIELDS: dict[str, type] = {
 }
 # Differences here: use the profile and warn (the same chip, other software under it).
 SOFT = ("driver", "cuda_runtime", "nvrtc")
-# Differences here: refuse (another chip, or other kernels than the ones that were timed).
-HARD = ("gpu", "cc", "sm_count", "memory_gib", "moeforge", "templates")
+# Differences here: refuse (another chip, or another moeforge than the one that timed it).
+HARD = ("gpu", "cc", "sm_count", "memory_gib", "moeforge")
+# Differences here: use the entries whose kernel source is unchanged (see the docstring).
+PER_ENTRY = ("templates",)
 
 
 def current(device: int | None = None) -> dict:
@@ -58,8 +66,9 @@ def validate(fp) -> list[str]:
 
 
 def ident(fp: dict) -> str:
-    """A short stable id over every field: the profile's file name and the study prefix."""
-    canon = json.dumps({k: fp[k] for k in FIELDS}, sort_keys=True)
+    """A short stable id over every field but the template set: the profile's file name and
+    the study prefix (study names add the template hash themselves)."""
+    canon = json.dumps({k: fp[k] for k in FIELDS if k not in PER_ENTRY}, sort_keys=True)
     return hashlib.sha256(canon.encode()).hexdigest()[:12]
 
 
@@ -75,11 +84,12 @@ def differences(made: dict, here: dict) -> list[tuple[str, object, object]]:
 
 
 def verdict(made: dict, here: dict) -> tuple[str, list[tuple[str, object, object]]]:
-    """'match', 'soft' (use and warn) or 'refuse', with the differing fields."""
+    """'match', 'soft' (use and warn; under other templates only the unchanged kernels'
+    entries) or 'refuse', with the differing fields."""
     diffs = differences(made, here)
     if not diffs:
         return "match", diffs
-    if all(k in SOFT or (k == "memory_gib" and _same_memory(a, b)) for k, a, b in diffs):
+    if all(k in SOFT or k in PER_ENTRY or (k == "memory_gib" and _same_memory(a, b)) for k, a, b in diffs):
         return "soft", diffs
     return "refuse", diffs
 

@@ -26,7 +26,9 @@ SCHEMA_VERSION = 1
 TOP_KEYS = {"schema_version", "fingerprint", "created", "entries"}
 ENTRY_REQUIRED = {"op": str, "qtype": str, "shape": list, "n": int, "path": str, "spec": dict,
                   "us": float, "default_us": float}
-ENTRY_OPTIONAL = {"default_spec": str, "us_random": float, "us_skewed": float, "trials": int}
+ENTRY_OPTIONAL = {"default_spec": str, "us_random": float, "us_skewed": float, "trials": int,
+                  "kernel": str}
+HEX = set("0123456789abcdef")
 
 
 class ProfileError(ValueError):
@@ -75,6 +77,20 @@ class Profile:
         return {"schema_version": SCHEMA_VERSION, "fingerprint": fp,
                 "created": self.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "entries": [self.entries[k].to_dict() for k in sorted(self.entries)]}
+
+    def with_current_kernels(self, templates: str) -> tuple["Profile", int]:
+        """This profile as usable under template set `templates`: every entry when it was
+        tuned under that set; otherwise only the entries whose recorded kernel source hash
+        is the hash of the source their spec renders to now (an entry without one cannot be
+        checked and is left out). Returns (profile, number of entries left out)."""
+        if self.fingerprint.get("templates") == templates:
+            return self, 0
+        from ..codegen.render import source_hash
+        kept = Profile(dict(self.fingerprint), created=self.created, source=self.source)
+        for e in self.entries.values():
+            if e.extra.get("kernel") == source_hash(e.spec):
+                kept.put(e)
+        return kept, len(self.entries) - len(kept.entries)
 
     # -- run-time lookup -------------------------------------------------------------------
     def choose(self, op: str, qtype: str, shape, n: int) -> Choice | None:
@@ -144,6 +160,8 @@ def _check_entry(i: int, d) -> tuple[Entry | None, list[str]]:
     why = path_allows(key.op, d["path"], spec, key.shape, key.n)
     if why:
         return None, [f"{at}: {why}"]
+    if "kernel" in d and not (len(d["kernel"]) == 16 and set(d["kernel"]) <= HEX):
+        return None, [f"{at}.kernel must be 16 lowercase hex digits, got {d['kernel']!r}"]
     extra = {k: d[k] for k in ENTRY_OPTIONAL if k in d}
     return Entry(key, d["path"], spec, float(d["us"]), float(d["default_us"]), extra), []
 

@@ -4,7 +4,7 @@ bucket).
 Why one study per bucket rather than one per fingerprint: a sampler models one objective
 landscape, and the landscapes differ per bucket (the best tile at n=16 is the worst at
 n=4096, and their times differ by 100x); the pruned space differs too, and Optuna requires a
-parameter's choices to stay fixed within a study. The fingerprint, the bucket, the space's
+parameter's choices to stay fixed within a study. The fingerprint and template hash, the bucket, the space's
 signature and the objective's version are all in the study name, so a study never mixes
 measurements of different things, and re-running the same command finds the same studies
 and resumes them.
@@ -55,7 +55,8 @@ class Task:
 
 
 def study_name(fp: dict, space: Space) -> str:
-    return f"moeforge.{OBJECTIVE_VERSION}.{fpmod.ident(fp)}.{space.key.label}.{space.signature()}"
+    return (f"moeforge.{OBJECTIVE_VERSION}.{fpmod.ident(fp)}.{fp['templates']}.{space.key.label}."
+            f"{space.signature()}")
 
 
 def measured(t) -> bool:

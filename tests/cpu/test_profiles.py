@@ -132,9 +132,10 @@ def test_fingerprint_policy(tmp_path):
         assert prof is not None, field
         assert len(said) == 1 and field in said[0] and value in said[0]
 
-    # another chip, another moeforge or other templates: refused, defaults, the field named
+    # another chip or another moeforge: refused, defaults, the field named (other templates:
+    # judged per entry, test_profile_kernels.py)
     for field, value in (("gpu", "NVIDIA H200"), ("cc", "8.0"), ("sm_count", 114), ("moeforge", "0.2.0"),
-                         ("templates", "fedcba9876543210"), ("memory_gib", 93.0)):
+                         ("memory_gib", 93.0)):
         said.clear()
         prof = activate.resolve(fake_fp(**{field: value}), [made], warn=said.append)
         assert prof is None, field
@@ -160,6 +161,8 @@ def test_verdict_unit():
     assert fpmod.validate(fake_fp()) == []
     assert fpmod.validate({**fake_fp(), "extra": 1})
     assert fpmod.ident(fake_fp()) != fpmod.ident(fake_fp(driver="x"))
+    # a re-tune under new templates merges into the same file
+    assert fpmod.ident(fake_fp()) == fpmod.ident(fake_fp(templates="fedcba9876543210"))
 
 
 @pytest.mark.parametrize("n,expect", [

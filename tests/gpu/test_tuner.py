@@ -110,9 +110,9 @@ def test_profile_policy_on_the_real_fingerprint(rng, tmp_path, monkeypatch):
     here = fpmod.current()
     marked = MmqSpec("q4_0", x=32, y=64, warps=4, stages=2, stream_k=False)   # not the default at n=64
 
-    def write(fp, name):
+    def write(fp, name, extra=None):
         p = pm.Profile(dict(fp))
-        p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", SMALL, 64), "mmq_id", marked, 10.0, 12.0))
+        p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", SMALL, 64), "mmq_id", marked, 10.0, 12.0, extra or {}))
         pm.save(p, tmp_path / name)
 
     monkeypatch.setenv("MOEFORGE_PROFILE_DIR", str(tmp_path))
@@ -150,6 +150,14 @@ def test_profile_policy_on_the_real_fingerprint(rng, tmp_path, monkeypatch):
         (tmp_path / "othergpu.yaml").unlink()
         c, said = choose()
         assert c.source == "default" and "templates" in said[0]
+
+        # other templates, but this entry's kernel source is unchanged: used, with a warning
+        from moeforge.codegen.render import source_hash
+        write({**here, "templates": "0" * 16}, "unchangedkernel.yaml", {"kernel": source_hash(marked)})
+        c, said = choose()
+        assert c.source == "profile" and c.spec == marked
+        assert len(said) == 1 and "templates" in said[0] and "no kernel of its entries has changed" in said[0]
+        (tmp_path / "unchangedkernel.yaml").unlink()
 
         d = yaml.safe_load(pm.dump(pm.load(tmp_path / "othertemplates.yaml")))
         d["fingerprint"] = dict(here)

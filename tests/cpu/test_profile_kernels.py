@@ -1,0 +1,106 @@
+"""Profile entries under another template set: each entry records its kernel's source hash
+and is used exactly while that source is unchanged; tuning merges into the same file and
+drops what it can no longer vouch for."""
+import pytest
+import yaml
+
+from moeforge.cli_tune import _save_profile
+from moeforge.codegen.render import source_hash, templates_hash
+from moeforge.codegen.spec import MmqSpec
+from moeforge.runtime.dispatch import Choice
+from moeforge.tuning import activate, paths, study
+from moeforge.tuning import profile as pm
+from moeforge.tuning.space import TuneKey, build
+
+from test_profiles import QWEN, fake_fp, make_profile
+
+OTHER = "fedcba9876543210"
+
+
+def hashed(fp=None, stale=(), missing=()) -> pm.Profile:
+    """make_profile() with kernel hashes: right ones, except wrong ones at the `stale`
+    buckets and none at the `missing` ones."""
+    src = make_profile(fp)
+    p = pm.Profile(dict(src.fingerprint))
+    for key, e in src.entries.items():
+        extra = dict(e.extra)
+        if key.n not in missing:
+            extra["kernel"] = "0" * 16 if key.n in stale else source_hash(e.spec)
+        p.put(pm.Entry(key, e.path, e.spec, e.us, e.default_us, extra))
+    return p
+
+
+def test_source_hash_follows_the_rendered_source():
+    a, b = MmqSpec("q4_0", x=8, y=64, warps=4), MmqSpec("q4_0", x=8, y=64, warps=4, stages=3)
+    assert source_hash(a) == source_hash(MmqSpec("q4_0", x=8, y=64, warps=4))
+    assert source_hash(a) != source_hash(b) and len(source_hash(a)) == 16
+
+
+def test_other_templates_keep_the_entries_whose_kernels_are_unchanged(tmp_path):
+    made = pm.save(hashed(stale=(16,), missing=(64,)), tmp_path / "p.yaml")
+    said = []
+    prof = activate.resolve(fake_fp(templates=OTHER), [made], warn=said.append)
+    assert sorted(k.n for k in prof.entries) == [1, 8, 4096]
+    assert len(said) == 1 and "templates" in said[0] and "3 of the 5" in said[0] and "the 2 whose" in said[0]
+    # the left-out buckets fall to their nearest kept neighbour, never to the stale choice
+    assert prof.choose("mul_mat_id", "q4_0", QWEN, 16).spec == prof.entries[TuneKey("mul_mat_id", "q4_0", QWEN, 8)].spec
+
+    # under its own template set every entry counts, hashed or not (files made before hashes)
+    said.clear()
+    legacy = pm.save(make_profile(), tmp_path / "legacy.yaml")
+    assert len(activate.resolve(fake_fp(), [legacy], warn=said.append).entries) == 5 and not said
+
+
+def test_a_profile_whose_kernels_all_changed_is_not_used(tmp_path):
+    said = []
+    legacy = pm.save(make_profile(), tmp_path / "legacy.yaml")   # no hashes: nothing can be checked
+    assert activate.resolve(fake_fp(templates=OTHER), [legacy], warn=said.append) is None
+    assert len(said) == 1 and "templates" in said[0] and "default" in said[0] and "all its 5" in said[0]
+
+
+def test_kernel_hash_is_validated(tmp_path):
+    d = yaml.safe_load(pm.dump(hashed()))
+    d["entries"][0]["kernel"] = "not-a-hash"
+    with pytest.raises(pm.ProfileError, match="kernel must be 16 lowercase hex"):
+        pm.from_dict(d)
+
+
+def test_study_names_change_with_the_templates_and_profile_names_do_not():
+    space = build(TuneKey("mul_mat_id", "q4_0", QWEN, 16))
+    assert study.study_name(fake_fp(), space) != study.study_name(fake_fp(templates=OTHER), space)
+    assert pm.file_name(fake_fp()) == pm.file_name(fake_fp(templates=OTHER))
+
+
+def _result(n: int, spec, us: float) -> study.Result:
+    key = TuneKey("mul_mat_id", "q4_0", QWEN, n)
+    return study.Result(key, "s", trials=7, failed=0, default_us=2 * us, best_us=us, choice=Choice("mmq_id", spec))
+
+
+def test_tuning_merges_into_the_shipped_profile_and_drops_stale_entries(tmp_path, monkeypatch, capsys):
+    now = fake_fp(templates=templates_hash())
+    shipped = tmp_path / "shipped" / pm.file_name(now)
+    # shipped under an older template set: two of its five kernels changed since
+    pm.save(hashed(fake_fp(templates=OTHER), stale=(16,), missing=(64,)), shipped)
+    monkeypatch.setattr(paths, "shipped_profiles", lambda: [shipped])
+    spec = MmqSpec("q4_0", x=16, y=96, warps=6, stream_k=False)
+    out = _save_profile(now, [_result(32, spec, 40.0)], tmp_path / "mine")
+    assert "2 entries" in capsys.readouterr().err and out.parent == tmp_path / "mine"
+    p = pm.load(out)
+    assert p.fingerprint == now
+    assert sorted(k.n for k in p.entries) == [1, 8, 32, 4096]
+    assert all(e.extra["kernel"] == source_hash(e.spec) for e in p.entries.values())
+    assert activate.resolve(now, [out], warn=pytest.fail).entries == p.entries   # an exact match
+
+    # a file of this template set without hashes (made before them) gets them on the next save
+    legacy = tmp_path / "legacy"
+    pm.save(make_profile(now), legacy / pm.file_name(now))
+    p = pm.load(_save_profile(now, [_result(32, spec, 40.0)], legacy))
+    assert len(p.entries) == 6 and all(e.extra["kernel"] == source_hash(e.spec) for e in p.entries.values())
+
+
+def test_other_templates_with_every_kernel_unchanged_say_so(tmp_path):
+    made = pm.save(hashed(), tmp_path / "p.yaml")
+    said = []
+    assert len(activate.resolve(fake_fp(templates=OTHER, driver="1.0"), [made], warn=said.append).entries) == 5
+    assert len(said) == 1 and "software and kernel templates" in said[0] and "no kernel" in said[0]
+    assert "driver" in said[0] and "templates" in said[0]
