@@ -104,3 +104,15 @@ def test_other_templates_with_every_kernel_unchanged_say_so(tmp_path):
     assert len(activate.resolve(fake_fp(templates=OTHER, driver="1.0"), [made], warn=said.append).entries) == 5
     assert len(said) == 1 and "software and kernel templates" in said[0] and "no kernel" in said[0]
     assert "driver" in said[0] and "templates" in said[0]
+
+
+def test_shipped_profiles_are_valid_named_and_hashed():
+    shipped = paths.shipped_profiles()
+    assert len(shipped) >= 2
+    for path in shipped:
+        p = pm.load(path)
+        assert path.name == pm.file_name(p.fingerprint), "a shipped profile under a name the runtime would not write"
+        assert all("kernel" in e.extra for e in p.entries.values()), path.name
+        if p.fingerprint["templates"] == templates_hash():
+            # a profile that claims this template set must have timed exactly these sources
+            assert all(e.extra["kernel"] == source_hash(e.spec) for e in p.entries.values()), path.name
