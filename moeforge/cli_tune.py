@@ -341,10 +341,16 @@ def cmd_profile(args) -> int:
             print(f"  {k}: {v}")
         print(f"\n{'op':<10} {'type':<5} {'E,top_k,m,k':<18} {'n':>5} {'path':<10} {'us':>9} {'default':>9} "
               f"{'speedup':>7}  spec")
+        from .codegen.render import templates_hash
+        usable, stale = p.with_current_kernels(templates_hash())
         for key in sorted(p.entries):
             e = p.entries[key]
+            mark = "" if key in usable.entries else "  (kernel changed since: not used)"
             print(f"{key.op:<10} {key.qtype:<5} {','.join(map(str, key.shape)):<18} {key.n:>5} {e.path:<10} "
-                  f"{e.us:>9.2f} {e.default_us:>9.2f} {e.speedup:>6.2f}x  {e.spec.name}")
+                  f"{e.us:>9.2f} {e.default_us:>9.2f} {e.speedup:>6.2f}x  {e.spec.name}{mark}")
+        if stale:
+            print(f"\n{stale} of {len(p.entries)} entries were timed on kernels whose source has changed; "
+                  f"this moeforge runs the defaults there until they are tuned again")
         return 0
     if args.action == "export":
         src = _find(getattr(args, "source", None), args.profile_dir)

@@ -135,11 +135,14 @@ def test_profile_import_export_list_show(no_gpu, capsys, tmp_path):
     assert main(["profile", "list", "--profile-dir", str(pdir)]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H100 80GB HBM3" in out and "5 entries" in out
+    # made under other templates, without kernel hashes: none of its entries can be vouched for
+    assert "(5 timed on kernels that have changed since: not used)" in out
     assert "zz-broken.yaml" in out and "CORRUPT" in out
 
     assert main(["profile", "show", installed.stem, "--profile-dir", str(pdir)]) == 0
     out = capsys.readouterr().out
     assert "mmq_id-q4_0-x16y64w4k8s2" in out and "per_expert" in out
+    assert out.count("(kernel changed since: not used)") == 5 and "5 of 5 entries" in out
 
     dest = tmp_path / "out" / "exported.yaml"
     assert main(["profile", "export", str(dest), "--from", installed.stem, "--profile-dir", str(pdir)]) == 0
