@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import product
 
 from .quant import QuantType
-from .spec import KernelSpec, MmqSpec, MmvqSpec, UtilSpec
+from .spec import KernelSpec, MmqSpec, MmvqSpec, ModelSpec, UtilSpec
 
 MMQ_X = (8, 16, 32, 64, 128)
 MMQ_X_DENSE = (16, 32, 64, 128)   # dense products take the mmq path only past 8 tokens
@@ -40,7 +40,7 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
 
 
 def all_specs(types: list[QuantType]) -> list[KernelSpec]:
-    specs: list[KernelSpec] = [UtilSpec()]
+    specs: list[KernelSpec] = [UtilSpec(), ModelSpec()]
     for q in types:
         specs += mmq_specs(q)
         specs += mmvq_specs(q)

@@ -69,6 +69,33 @@ class UtilSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
+class ModelSpec(KernelSpec):
+    """The small kernels of the model graph (runtime.backend_cuda): embedding rows, the
+    norms and their fusions, RoPE, the KV store, attention, routing, SwiGLU, the expert sum.
+    The limits size fixed arrays in the kernels; the backend refuses a model past them."""
+    family: ClassVar[str] = "model"
+    template: ClassVar[str] = "model.cu.j2"
+    max_experts: int = 512      # routing holds a token's logits in registers, 32 lanes wide
+    max_head_dim: int = 256     # decode attention stages one query head in shared memory
+
+    @property
+    def name(self) -> str:
+        return f"model-e{self.max_experts}h{self.max_head_dim}"
+
+    def check(self) -> None:
+        if self.max_experts % 32 or self.max_experts <= 0:
+            raise ValueError(f"{self.name}: max_experts must be a positive multiple of 32")
+        if self.max_head_dim <= 0:
+            raise ValueError(f"{self.name}: max_head_dim must be positive")
+
+    KERNELS: ClassVar[tuple[str, ...]] = (
+        "get_rows_q4_0", "get_rows_q8_0", "rms_norm", "rope_neox", "kv_store", "attn_decode",
+        "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route",
+        "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_id", "moe_combine",
+    )
+
+
+@dataclass(frozen=True)
 class MmqSpec(KernelSpec):
     """Quantized GEMM on int8 tensor cores (mma.sync m16n8k32).
 
@@ -198,4 +225,4 @@ class MmvqSpec(KernelSpec):
             raise ValueError(f"{self.name}: biases belong to the fused gate/up form")
 
 
-SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, MmqSpec, MmvqSpec)}
+SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec)}

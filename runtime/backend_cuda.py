@@ -1,6 +1,6 @@
 """The CUDA backend: quantized products through moeforge's kernels (runtime.ops), the rest
-through the small kernels of runtime.model_kernels, attention over many tokens through
-CuPy (cuBLAS).
+through the small kernels of the model graph (templates/model.cu.j2), attention over many
+tokens through CuPy (cuBLAS).
 
 Every op writes into a named, grow-only device buffer, and everything runs on one stream.
 A decode step (one token) therefore allocates nothing and never waits for the host: it is
@@ -14,10 +14,11 @@ import warnings
 
 import numpy as np
 
+from ..codegen.spec import ModelSpec
 from . import dispatch, ops
 from .backend import Backend, KVCache
 from .device import require_gpu
-from .model_kernels import MAX_EXPERTS, MAX_HEAD_DIM, SOURCE
+from .kernels import load
 from .tensor import QuantTensor
 
 _i32, _f32 = np.int32, np.float32
@@ -39,14 +40,15 @@ class CudaBackend(Backend):
     def __init__(self, hp):
         cp = require_gpu("the cuda backend")
         super().__init__(hp)
-        if hp.n_expert > MAX_EXPERTS or hp.head_dim > MAX_HEAD_DIM or hp.n_expert_used > 32:
-            raise ValueError(f"the cuda backend handles up to {MAX_EXPERTS} experts, 32 of them per token, and "
-                             f"heads of up to {MAX_HEAD_DIM}; this model has {hp.n_expert}, {hp.n_expert_used} "
+        lim = ModelSpec()
+        if hp.n_expert > lim.max_experts or hp.head_dim > lim.max_head_dim or hp.n_expert_used > 32:
+            raise ValueError(f"the cuda backend handles up to {lim.max_experts} experts, 32 of them per token, and "
+                             f"heads of up to {lim.max_head_dim}; this model has {hp.n_expert}, {hp.n_expert_used} "
                              f"and {hp.head_dim}")
         self.cp = self.xp = cp
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self._module = None
         self._bufs: dict[str, object] = {}
+        self._kernels: dict[str, object] = {}
         self.generation = 0          # bumped whenever a buffer is (re)allocated
         self.use_graphs = True
         self._graph = self._graph_key = self._graph_out = self._warm_key = None
@@ -58,9 +60,10 @@ class CudaBackend(Backend):
 
     # -- plumbing -----------------------------------------------------------------------------
     def kernel(self, name: str):
-        if self._module is None:
-            self._module = self.cp.RawModule(code=SOURCE, options=("-std=c++14",))
-        return self._module.get_function(name)
+        fn = self._kernels.get(name)
+        if fn is None:
+            fn = self._kernels[name] = load(ModelSpec(), name).function
+        return fn
 
     def ws(self, name: str, shape, dtype=np.float32):
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize

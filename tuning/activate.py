@@ -66,10 +66,12 @@ def resolve(here: dict, files: list[Path] | None = None, warn=_warn) -> Profile 
                  f"{prof.source}, tuned on this GPU under {under} ({fpmod.describe(diffs)}); the {dropped} "
                  f"whose kernels have changed since run the default kernels until `moeforge tune` "
                  f"re-measures them")
-        else:
+        elif len(per_entry) < len(diffs):
             warn(f"moeforge: using profile {prof.source}, tuned on the same GPU under {under} "
                  f"({fpmod.describe(diffs)}{'; no kernel of its entries has changed' if per_entry else ''}); "
                  f"re-run `moeforge tune` to refresh it")
+        # else: only the templates differ and every entry's kernel is the one it timed: as
+        # good as an exact match, nothing to say
         return usable
     if refused:
         # Name the nearest refused profile (fewest differing fields): that is the one the

@@ -6,7 +6,7 @@ from moeforge.codegen.compile import ARCHS, compile_spec, parse_ptxas
 from moeforge.codegen.enumerate import all_specs
 from moeforge.codegen.quant import parse_types
 from moeforge.codegen.render import render, templates_hash
-from moeforge.codegen.spec import KernelSpec, MmqSpec, MmvqSpec, UtilSpec
+from moeforge.codegen.spec import KernelSpec, MmqSpec, MmvqSpec, ModelSpec, UtilSpec
 
 SPECS = all_specs(parse_types("all"))
 
@@ -42,8 +42,8 @@ def test_invalid_specs_are_refused(bad):
 def test_every_instance_renders_with_its_symbol():
     for s in SPECS:
         src = render(s)
-        if isinstance(s, UtilSpec):
-            assert all(f" {k}(" in src for k in UtilSpec.KERNELS)
+        if isinstance(s, (UtilSpec, ModelSpec)):
+            assert all(f" {k}(" in src for k in s.KERNELS)
         else:
             assert f" {s.symbol}(" in src
 

@@ -116,3 +116,10 @@ def test_shipped_profiles_are_valid_named_and_hashed():
         if p.fingerprint["templates"] == templates_hash():
             # a profile that claims this template set must have timed exactly these sources
             assert all(e.extra["kernel"] == source_hash(e.spec) for e in p.entries.values()), path.name
+
+
+def test_other_templates_with_every_kernel_verified_are_used_silently(tmp_path):
+    made = pm.save(hashed(), tmp_path / "p.yaml")
+    said = []
+    assert len(activate.resolve(fake_fp(templates=OTHER), [made], warn=said.append).entries) == 5
+    assert said == []
