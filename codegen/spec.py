@@ -63,7 +63,7 @@ class UtilSpec(KernelSpec):
         return "util"
 
     KERNELS: ClassVar[tuple[str, ...]] = (
-        "quantize_q8_1", "route_experts", "prepare_moe", "streamk_fixup", "gather_rows_q8_1",
+        "quantize_q8_1", "prepare_moe", "streamk_fixup", "gather_rows_q8_1",
         "scatter_rows",
     )
 
