@@ -77,11 +77,16 @@ def test_tune_one_bucket_end_to_end(rng, tmp_path, monkeypatch):
     rc = main(["tune", "--shape", ",".join(map(str, SMALL)), "--types", "q4_0", "--n", "64", "--trials", "8",
                "--quiet"])
     assert rc == 0
+    from moeforge.tuning.paths import shipped_profiles
+    from moeforge.tuning.space import TuneKey
     here = fpmod.current()
     path = tmp_path / "prof" / pm.file_name(here)
     prof = pm.load(path)
-    (entry,) = prof.entries.values()
+    entry = prof.entries[TuneKey("mul_mat_id", "q4_0", SMALL, 64)]
     assert entry.us <= entry.default_us
+    # on a card with a shipped profile of this very fingerprint, the new entry joins its entries
+    shipped = [p for p in shipped_profiles() if p.name == path.name]
+    assert len(prof.entries) == 1 + (len(pm.load(shipped[0]).entries) if shipped else 0)
     activate.reset()
     try:
         choice = dispatch.choose_mul_mat_id("q4_0", *SMALL, 64)
