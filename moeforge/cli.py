@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write the numbers to this file")
     b.set_defaults(func=_cmd_bench)
 
-    from . import cli_model, cli_tune
+    from . import cli_model, cli_profile, cli_tune
     cli_tune.add_commands(sub)
+    cli_profile.add_commands(sub)
     cli_model.add_commands(sub)
     return p
 

@@ -1,4 +1,4 @@
-"""CLI commands of the tuner: `tune`, `generate-and-tune`, `profile list|show|path|export|import`.
+"""CLI commands of the tuner: `tune` and `generate-and-tune` (`profile ...` is cli_profile).
 
 Exit codes: 0 done, 1 something failed (compile failures, an invalid profile), 2 a usage
 error or no CUDA device where one is needed.
@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 GENERATE_AND_TUNE_BUDGET_S = 600.0
 # Kept back from the budget for loading the studies, writing the profile and the table.
@@ -84,72 +83,13 @@ def _keys(args, ops=("mul_mat_id",)) -> list:
     return sorted(set(keys))
 
 
-def _base_profile(fp: dict, path: Path):
-    """What new entries merge into: the profile already at `path`, else the one shipped for
-    this fingerprint (so tuning a few buckets keeps the rest of the shipped tuning), else
-    an empty one. Entries timed on kernels whose source has changed since are dropped (the
-    file's fingerprint becomes this run's, and it must not vouch for them)."""
-    from .codegen.render import source_hash
-    from .tuning.paths import shipped_profiles
-    from .tuning.profile import Entry, Profile, ProfileError, load
-    base = Profile(dict(fp))
-    if path.exists():
-        try:
-            base = load(path)
-        except ProfileError as e:
-            keep = path.with_name(path.name + f".corrupt-{int(time.time())}")
-            path.replace(keep)
-            _err(f"moeforge tune: the existing profile was corrupt ({'; '.join(e.problems[:3])}); "
-                 f"moved it to {keep} and wrote a new one")
-    else:
-        shipped = [p for p in shipped_profiles() if p.name == path.name]
-        if shipped:
-            try:
-                base = load(shipped[0])
-            except ProfileError as e:
-                _err(f"moeforge tune: the shipped profile {shipped[0]} is corrupt and is not merged: {e}")
-    kept, dropped = base.with_current_kernels(fp["templates"])
-    if dropped:
-        _err(f"moeforge tune: {dropped} entries of {base.source} were timed on kernels that have changed "
-             f"since; they are dropped (re-tune their buckets to restore them)")
-    out = Profile(dict(fp), created=kept.created, source=str(path))
-    for e in kept.entries.values():
-        # entries of this template set that predate the per-entry hash get theirs now
-        out.put(e if "kernel" in e.extra else
-                Entry(e.key, e.path, e.spec, e.us, e.default_us, {**e.extra, "kernel": source_hash(e.spec)}))
-    return out
-
-
-def _save_profile(fp: dict, results, profile_dir) -> Path | None:
-    from .codegen.render import source_hash
-    from .tuning import activate
-    from .tuning.profile import Entry, file_name, save
-    path = Path(profile_dir) / file_name(fp)
-    prof = _base_profile(fp, path)
-    n = 0
-    for r in results:
-        if r.choice is None or not r.default_us:
-            continue   # nothing measured, or the default was not: no entry is better than a guess
-        extra = {"default_spec": _default_name(r.key), "trials": r.trials}
-        extra.update({k: round(float(v), 3) for k, v in r.attrs.items()})
-        extra["kernel"] = source_hash(r.choice.spec)
-        prof.put(Entry(r.key, r.choice.path, r.choice.spec, r.best_us, r.default_us, extra))
-        n += 1
-    if not n:
-        return None
-    prof.created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    save(prof, path)
-    activate.reset()
-    return path
-
-
 def _default_name(key) -> str:
     from .tuning.space import default_choice
     return default_choice(key).spec.name
 
 
 def run_tuning(args, keys, deadline: float | None, trials: int | None, cmd: str) -> int:
-    from .tuning import paths, report, study
+    from .tuning import merge, paths, report, study
     from .tuning.space import DEFAULT_SMEM_LIMIT
     from .tuning.storage import make_storage
     standin = getattr(args, "objective", "gpu") == "standin"
@@ -177,6 +117,18 @@ def run_tuning(args, keys, deadline: float | None, trials: int | None, cmd: str)
                          f"a study and a profile belong to one kind of GPU")
                     return 2
         smem = device_info()["smem_per_block_optin"]
+    if keys is None:   # --stale: the buckets of this GPU's profile whose kernels changed
+        src, keys = merge.stale_keys(fp, paths.profile_dir(args.profile_dir))
+        if src is None:
+            print(f"moeforge {cmd}: no profile of this GPU in {paths.profile_dir(args.profile_dir)} and none "
+                  f"shipped: nothing is stale (`moeforge generate-and-tune` makes one)")
+            return 0
+        if not keys:
+            print(f"moeforge {cmd}: every entry of {src} was timed on the kernels of this moeforge: "
+                  f"nothing to re-tune")
+            return 0
+        print(f"moeforge {cmd}: {len(keys)} entries of {src} were timed on kernels that have changed since",
+              file=sys.stderr)
     url = args.storage or paths.default_storage_url()
     task = study.Task(keys=keys, storage_url=url, fingerprint=fp, smem_limit=smem, trials=trials,
                       deadline=deadline, objective="standin" if standin else "gpu",
@@ -189,7 +141,8 @@ def run_tuning(args, keys, deadline: float | None, trials: int | None, cmd: str)
     storage = make_storage(url, task.heartbeat, task.grace)
     results = [r for r in (study.result(storage, fp, k, smem) for k in keys) if r is not None]
     report.table(results)
-    path = _save_profile(fp, results, paths.profile_dir(args.profile_dir))
+    path = merge.save_results(fp, results, paths.profile_dir(args.profile_dir), _default_name,
+                              warn=lambda msg: _err(f"moeforge {cmd}: {msg}"))
     print(f"\nprofile: {path}" if path else "\nno profile written: no study measured its default yet")
     if getattr(args, "plot", None):
         try:
@@ -223,11 +176,19 @@ def _usable(budget: float) -> float:
 
 
 def cmd_tune(args) -> int:
-    try:
-        keys = _keys(args, ops=(args.op,))
-    except ValueError as e:
-        _err(f"moeforge tune: {e}")
-        return 2
+    if args.stale:
+        given = [f"--{o}" for o in ("model", "shape", "types", "n") if getattr(args, o)]
+        if given or args.op != "mul_mat_id":
+            _err(f"moeforge tune: --stale takes its buckets from the profile; it does not combine with "
+                 f"{', '.join(given) or '--op'}")
+            return 2
+        keys = None
+    else:
+        try:
+            keys = _keys(args, ops=(args.op,))
+        except ValueError as e:
+            _err(f"moeforge tune: {e}")
+            return 2
     trials = args.trials
     if trials is None and args.time_budget is None:
         trials = DEFAULT_TRIALS
@@ -260,135 +221,6 @@ def cmd_generate_and_tune(args) -> int:
     return run_tuning(args, keys, deadline, None, "generate-and-tune")
 
 
-# -- profiles -----------------------------------------------------------------------------
-def _current_fp():
-    from .runtime.device import has_gpu
-    from .tuning import fingerprint as fpmod
-    return fpmod.current() if has_gpu() else None
-
-
-def _find(name: str | None, profile_dir) -> Path | None:
-    from .tuning import paths
-    from .tuning.profile import file_name
-    if name is None:
-        fp = _current_fp()
-        if fp is None:
-            return None
-        from .tuning.activate import candidate_files, resolve
-        prof = resolve(fp, candidate_files(paths.profile_dir(profile_dir)), warn=_err)
-        return Path(prof.source) if prof else paths.profile_dir(profile_dir) / file_name(fp)
-    p = Path(name)
-    if p.exists():
-        return p
-    for cand in [paths.profile_dir(profile_dir) / name, paths.profile_dir(profile_dir) / f"{name}.yaml",
-                 *[s for s in paths.shipped_profiles() if s.name in (name, f"{name}.yaml")]]:
-        if cand.exists():
-            return cand
-    return p
-
-
-def cmd_profile(args) -> int:
-    from .tuning import fingerprint as fpmod
-    from .tuning import paths
-    from .tuning.activate import candidate_files
-    from .tuning.profile import ProfileError, file_name, load, save
-    pdir = paths.profile_dir(args.profile_dir)
-    if args.action == "path":
-        fp = _current_fp()
-        if fp is None:
-            print(pdir)
-            _err("moeforge profile path: no CUDA device found; printed the profile directory")
-            return 0
-        print(pdir / file_name(fp))
-        return 0
-    if args.action == "list":
-        from .codegen.render import templates_hash
-        here = _current_fp()
-        files = candidate_files(pdir)
-        if not files:
-            print(f"no profiles in {pdir} and none shipped")
-            return 0
-        for f in files:
-            try:
-                p = load(f)
-            except ProfileError as e:
-                print(f"{f}\n    CORRUPT: {'; '.join(e.problems[:3])}")
-                continue
-            fp = p.fingerprint
-            status = ""
-            if here is not None:
-                v, diffs = fpmod.verdict(fp, here)
-                status = {"match": "  [this GPU]", "soft": "  [this GPU, other software: used with a warning]",
-                          "refuse": ""}[v]
-            usable, stale = p.with_current_kernels(templates_hash())
-            note = f" ({stale} timed on kernels that have changed since: not used)" if stale else ""
-            print(f"{f}{status}\n    {fp['gpu']} (cc {fp['cc']}, {fp['sm_count']} SMs, {fp['memory_gib']} GiB), "
-                  f"driver {fp['driver']}, CUDA {fp['cuda_runtime']}, NVRTC {fp['nvrtc']}, moeforge {fp['moeforge']}, "
-                  f"templates {fp['templates']}: {len(p.entries)} entries{note}")
-        return 0
-    if args.action == "show":
-        target = _find(args.target, args.profile_dir)
-        if target is None:
-            _err("moeforge profile show: no CUDA device found; name a profile file (see `moeforge profile list`)")
-            return 2
-        try:
-            p = load(target)
-        except ProfileError as e:
-            _err(f"moeforge profile show: {e}")
-            return 1
-        print(f"{target}\nfingerprint:")
-        for k, v in p.fingerprint.items():
-            print(f"  {k}: {v}")
-        print(f"\n{'op':<10} {'type':<5} {'E,top_k,m,k':<18} {'n':>5} {'path':<10} {'us':>9} {'default':>9} "
-              f"{'speedup':>7}  spec")
-        from .codegen.render import templates_hash
-        usable, stale = p.with_current_kernels(templates_hash())
-        for key in sorted(p.entries):
-            e = p.entries[key]
-            mark = "" if key in usable.entries else "  (kernel changed since: not used)"
-            print(f"{key.op:<10} {key.qtype:<5} {','.join(map(str, key.shape)):<18} {key.n:>5} {e.path:<10} "
-                  f"{e.us:>9.2f} {e.default_us:>9.2f} {e.speedup:>6.2f}x  {e.spec.name}{mark}")
-        if stale:
-            print(f"\n{stale} of {len(p.entries)} entries were timed on kernels whose source has changed; "
-                  f"this moeforge runs the defaults there until they are tuned again")
-        return 0
-    if args.action == "export":
-        src = _find(getattr(args, "source", None), args.profile_dir)
-        if src is None:
-            _err("moeforge profile export: no CUDA device found; name the profile with --from")
-            return 2
-        try:
-            p = load(src)
-        except ProfileError as e:
-            _err(f"moeforge profile export: {e}")
-            return 1
-        save(p, args.file)
-        print(f"exported {src} -> {args.file}")
-        return 0
-    if args.action == "import":
-        try:
-            p = load(args.file)   # validated exactly as any profile the runtime reads
-        except ProfileError as e:
-            _err(f"moeforge profile import: refused: {e}")
-            return 1
-        dest = pdir / file_name(p.fingerprint)
-        if dest.exists() and not args.force:
-            _err(f"moeforge profile import: {dest} exists; pass --force to replace it")
-            return 1
-        save(p, dest)
-        from .tuning import activate
-        activate.reset()
-        print(f"imported {args.file} -> {dest} ({len(p.entries)} entries)")
-        here = _current_fp()
-        if here is not None:
-            v, diffs = fpmod.verdict(p.fingerprint, here)
-            if v != "match":
-                _err(f"note: this profile is for another setup ({fpmod.describe(diffs)}); "
-                     f"{'it will be used with a warning' if v == 'soft' else 'it will not be used on this GPU'}")
-        return 0
-    return 2
-
-
 # -- parser -------------------------------------------------------------------------------
 def _common(p, budget_default=None) -> None:
     p.add_argument("--storage", default=None,
@@ -413,6 +245,9 @@ def add_commands(sub) -> None:
     src.add_argument("--shape", action="append", default=None,
                      help="qwen3-30b-a3b, deepseek-v2-lite, gpt-oss-20b or E,top_k,m,k (repeatable; "
                           "default: those three)")
+    src.add_argument("--stale", action="store_true",
+                     help="re-tune the buckets of this GPU's profile whose kernels have changed since they "
+                          "were timed (after a template edit or an upgrade), and merge them in")
     t.add_argument("--types", default=None, help="quant types, comma separated (default: q4_0,q8_0)")
     t.add_argument("--op", choices=("mul_mat_id", "mul_mat"), default="mul_mat_id",
                    help="mul_mat_id: expert products; mul_mat: dense (with --model, its own projections)")
@@ -429,22 +264,3 @@ def add_commands(sub) -> None:
                    help=f"seconds for everything, compilation included (default {GENERATE_AND_TUNE_BUDGET_S:.0f})")
     _common(g)
     g.set_defaults(func=cmd_generate_and_tune)
-
-    p = sub.add_parser("profile", help="list, show, locate, export or import per-GPU profiles")
-    ps = p.add_subparsers(dest="action", required=True)
-    for name, helptext in (("list", "every profile and whether it fits this GPU"),
-                           ("show", "the entries of a profile (default: this GPU's)"),
-                           ("path", "where this GPU's profile is (or would be) written"),
-                           ("export", "copy a profile (default: this GPU's) to FILE"),
-                           ("import", "validate FILE and install it as its GPU's profile")):
-        a = ps.add_parser(name, help=helptext)
-        a.add_argument("--profile-dir", default=None)
-        if name == "show":
-            a.add_argument("target", nargs="?", default=None, help="a profile file or name")
-        if name == "export":
-            a.add_argument("file")
-            a.add_argument("--from", dest="source", default=None, help="a profile file or name")
-        if name == "import":
-            a.add_argument("file")
-            a.add_argument("--force", action="store_true", help="replace an existing profile")
-        a.set_defaults(func=cmd_profile)

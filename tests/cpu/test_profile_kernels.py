@@ -4,11 +4,10 @@ drops what it can no longer vouch for."""
 import pytest
 import yaml
 
-from moeforge.cli_tune import _save_profile
 from moeforge.codegen.render import source_hash, templates_hash
 from moeforge.codegen.spec import MmqSpec
 from moeforge.runtime.dispatch import Choice
-from moeforge.tuning import activate, paths, study
+from moeforge.tuning import activate, merge, paths, study
 from moeforge.tuning import profile as pm
 from moeforge.tuning.space import TuneKey, build
 
@@ -71,6 +70,11 @@ def test_study_names_change_with_the_templates_and_profile_names_do_not():
     assert pm.file_name(fake_fp()) == pm.file_name(fake_fp(templates=OTHER))
 
 
+def _save_profile(fp, results, profile_dir):
+    import sys
+    return merge.save_results(fp, results, profile_dir, lambda key: "default", warn=lambda m: print(m, file=sys.stderr))
+
+
 def _result(n: int, spec, us: float) -> study.Result:
     key = TuneKey("mul_mat_id", "q4_0", QWEN, n)
     return study.Result(key, "s", trials=7, failed=0, default_us=2 * us, best_us=us, choice=Choice("mmq_id", spec))
@@ -123,3 +127,29 @@ def test_other_templates_with_every_kernel_verified_are_used_silently(tmp_path):
     said = []
     assert len(activate.resolve(fake_fp(templates=OTHER), [made], warn=said.append).entries) == 5
     assert said == []
+
+
+def test_tune_stale_retunes_exactly_the_changed_buckets(tmp_path, monkeypatch, capsys):
+    from moeforge.cli import main
+    from moeforge.cli_tune import _standin_fingerprint
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MOEFORGE_STANDIN_SLEEP", "0")
+    pdir = tmp_path / "prof"
+    now = _standin_fingerprint()
+    path = pm.save(hashed({**now, "templates": OTHER}, stale=(16,), missing=(64,)), pdir / pm.file_name(now))
+    before = pm.load(path).entries
+    argv = ["tune", "--objective", "standin", "--stale", "--profile-dir", str(pdir), "--trials", "4", "--quiet"]
+    assert main(argv) == 0
+    assert "2 entries" in capsys.readouterr().err
+    after = pm.load(path)
+    assert after.fingerprint == now and set(after.entries) == set(before)
+    assert all(e.extra["kernel"] == source_hash(e.spec) for e in after.entries.values())
+    for key, e in after.entries.items():
+        if key.n in (16, 64):
+            assert e.extra["trials"] >= 4 and e.us != before[key].us      # measured again
+        else:
+            assert e.us == before[key].us and e.spec == before[key].spec  # kept as they were
+    assert main(argv) == 0 and "nothing to re-tune" in capsys.readouterr().out
+
+    assert main(["tune", "--objective", "standin", "--stale", "--n", "16", "--profile-dir", str(pdir)]) == 2
+    assert "does not combine with --n" in capsys.readouterr().err
