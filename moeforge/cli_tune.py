@@ -247,7 +247,7 @@ def add_commands(sub) -> None:
                           "default: those three)")
     src.add_argument("--stale", action="store_true",
                      help="re-tune the buckets of this GPU's profile whose kernels have changed since they "
-                          "were timed (after a template edit or an upgrade), and merge them in")
+                          "were timed (after a template edit), and merge them in")
     t.add_argument("--types", default=None, help="quant types, comma separated (default: q4_0,q8_0)")
     t.add_argument("--op", choices=("mul_mat_id", "mul_mat"), default="mul_mat_id",
                    help="mul_mat_id: expert products; mul_mat: dense (with --model, its own projections)")
