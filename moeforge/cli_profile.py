@@ -41,13 +41,19 @@ def _find(name: str | None, profile_dir) -> Path | None:
     return p
 
 
-def _load(path: Path, action: str):
+def _open(name: str | None, args, action: str, hint: str):
+    """(path, profile) of the profile `name` (default: this GPU's), or the exit code after
+    saying why there is none: 2 without a GPU to name it, 1 when it is invalid."""
     from .tuning.profile import ProfileError, load
+    target = _find(name, args.profile_dir)
+    if target is None:
+        _err(f"moeforge profile {action}: no CUDA device found; {hint}")
+        return 2
     try:
-        return load(path)
+        return target, load(target)
     except ProfileError as e:
         _err(f"moeforge profile {action}: {e}")
-        return None
+        return 1
 
 
 def _path(args, pdir: Path) -> int:
@@ -93,13 +99,10 @@ def _list(args, pdir: Path) -> int:
 
 def _show(args, pdir: Path) -> int:
     from .codegen.render import templates_hash
-    target = _find(args.target, args.profile_dir)
-    if target is None:
-        _err("moeforge profile show: no CUDA device found; name a profile file (see `moeforge profile list`)")
-        return 2
-    p = _load(target, "show")
-    if p is None:
-        return 1
+    found = _open(args.target, args, "show", "name a profile file (see `moeforge profile list`)")
+    if isinstance(found, int):
+        return found
+    target, p = found
     print(f"{target}\nfingerprint:")
     for k, v in p.fingerprint.items():
         print(f"  {k}: {v}")
@@ -119,13 +122,10 @@ def _show(args, pdir: Path) -> int:
 
 def _export(args, pdir: Path) -> int:
     from .tuning.profile import save
-    src = _find(args.source, args.profile_dir)
-    if src is None:
-        _err("moeforge profile export: no CUDA device found; name the profile with --from")
-        return 2
-    p = _load(src, "export")
-    if p is None:
-        return 1
+    found = _open(args.source, args, "export", "name the profile with --from")
+    if isinstance(found, int):
+        return found
+    src, p = found
     save(p, args.file)
     print(f"exported {src} -> {args.file}")
     return 0
