@@ -118,7 +118,11 @@ def run_tuning(args, keys, deadline: float | None, trials: int | None, cmd: str)
                     return 2
         smem = device_info()["smem_per_block_optin"]
     if keys is None:   # --stale: the buckets of this GPU's profile whose kernels changed
-        src, keys = merge.stale_keys(fp, paths.profile_dir(args.profile_dir))
+        said = []
+        src, keys = merge.stale_keys(fp, paths.profile_dir(args.profile_dir), warn=said.append)
+        if said:
+            _err(f"moeforge {cmd}: {said[0]}; nothing to refresh (`moeforge generate-and-tune` makes a new one)")
+            return 1
         if src is None:
             print(f"moeforge {cmd}: no profile of this GPU in {paths.profile_dir(args.profile_dir)} and none "
                   f"shipped: nothing is stale (`moeforge generate-and-tune` makes one)")

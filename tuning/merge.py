@@ -17,11 +17,16 @@ from . import activate, paths
 from .profile import Entry, Profile, ProfileError, file_name, load, save
 
 
-def _source(path: Path, warn) -> Profile | None:
+def _source(path: Path, warn, set_aside: bool = True) -> Profile | None:
+    """The profile new entries merge into; a corrupt one is reported, and set aside when
+    a new one is about to be written in its place."""
     if path.exists():
         try:
             return load(path)
         except ProfileError as e:
+            if not set_aside:
+                warn(f"the profile {path} is corrupt ({'; '.join(e.problems[:3])})")
+                return None
             keep = path.with_name(path.name + f".corrupt-{int(time.time())}")
             path.replace(keep)
             warn(f"the existing profile was corrupt ({'; '.join(e.problems[:3])}); moved it to {keep} "
@@ -54,11 +59,11 @@ def base_profile(fp: dict, path: Path, warn) -> Profile:
     return out
 
 
-def stale_keys(fp: dict, profile_dir) -> tuple[Path | None, list]:
+def stale_keys(fp: dict, profile_dir, warn) -> tuple[Path | None, list]:
     """The buckets of this fingerprint's profile whose kernels have changed since they were
     timed (what `moeforge tune --stale` re-tunes), and the profile they come from."""
     path = Path(profile_dir) / file_name(fp)
-    src = _source(path, warn=lambda msg: None)
+    src = _source(path, warn, set_aside=False)
     if src is None:
         return None, []
     kept, _ = src.with_current_kernels(fp["templates"])

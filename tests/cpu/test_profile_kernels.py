@@ -153,3 +153,18 @@ def test_tune_stale_retunes_exactly_the_changed_buckets(tmp_path, monkeypatch, c
 
     assert main(["tune", "--objective", "standin", "--stale", "--n", "16", "--profile-dir", str(pdir)]) == 2
     assert "does not combine with --n" in capsys.readouterr().err
+
+
+def test_tune_stale_reports_a_corrupt_profile_and_leaves_it(tmp_path, monkeypatch, capsys):
+    from moeforge.cli import main
+    from moeforge.cli_tune import _standin_fingerprint
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    pdir = tmp_path / "prof"
+    pdir.mkdir()
+    bad = pdir / pm.file_name(_standin_fingerprint())
+    bad.write_text("schema_version: 1\nfingerprint: {gpu: [\n")
+    assert main(["tune", "--objective", "standin", "--stale", "--profile-dir", str(pdir), "--quiet"]) == 1
+    assert "corrupt" in capsys.readouterr().err and bad.exists()
+    empty = tmp_path / "none"
+    assert main(["tune", "--objective", "standin", "--stale", "--profile-dir", str(empty), "--quiet"]) == 0
+    assert "nothing is stale" in capsys.readouterr().out
