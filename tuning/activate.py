@@ -64,7 +64,7 @@ def resolve(here: dict, files: list[Path] | None = None, warn=_warn) -> Profile 
         if dropped:
             warn(f"moeforge: using {len(usable.entries)} of the {len(prof.entries)} entries of profile "
                  f"{prof.source}, tuned on this GPU under {under} ({fpmod.describe(diffs)}); the {dropped} "
-                 f"whose kernels have changed since run the default kernels until `moeforge tune` "
+                 f"whose kernels have changed since run the default kernels until `moeforge tune --stale` "
                  f"re-measures them")
         elif len(per_entry) < len(diffs):
             warn(f"moeforge: using profile {prof.source}, tuned on the same GPU under {under} "
