@@ -168,3 +168,22 @@ def test_tune_stale_reports_a_corrupt_profile_and_leaves_it(tmp_path, monkeypatc
     empty = tmp_path / "none"
     assert main(["tune", "--objective", "standin", "--stale", "--profile-dir", str(empty), "--quiet"]) == 0
     assert "nothing is stale" in capsys.readouterr().out
+
+
+def test_profile_list_judges_other_templates_entry_by_entry(tmp_path, monkeypatch, capsys):
+    from moeforge import cli_profile
+    from moeforge.cli import main
+    monkeypatch.setattr(cli_profile, "_current_fp", lambda: fake_fp(templates=OTHER))
+    monkeypatch.setattr(paths, "shipped_profiles", lambda: [])
+    pdir = tmp_path / "p"
+    pm.save(hashed(), pdir / "a-verified.yaml")
+    pm.save(make_profile(), pdir / "b-unhashed.yaml")
+    pm.save(hashed(fake_fp(driver="1.0")), pdir / "c-otherdriver.yaml")
+    pm.save(make_profile(fake_fp(driver="1.0")), pdir / "d-otherdriver-unhashed.yaml")
+    assert main(["profile", "list", "--profile-dir", str(pdir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = {ln.split("/")[-1].split(".yaml")[0]: ln for ln in lines if ".yaml" in ln}
+    assert head["a-verified"].endswith("[this GPU]")
+    assert "[this GPU" not in head["b-unhashed"]
+    assert head["c-otherdriver"].endswith("used with a warning]")
+    assert "[this GPU" not in head["d-otherdriver-unhashed"]
