@@ -69,8 +69,7 @@ def _path(args, pdir: Path) -> int:
 
 def _list(args, pdir: Path) -> int:
     from .codegen.render import templates_hash
-    from .tuning import fingerprint as fpmod
-    from .tuning.activate import candidate_files
+    from .tuning.activate import assess, candidate_files
     from .tuning.profile import ProfileError, load
     here = _current_fp()
     files = candidate_files(pdir)
@@ -84,16 +83,11 @@ def _list(args, pdir: Path) -> int:
             print(f"{f}\n    CORRUPT: {'; '.join(e.problems[:3])}")
             continue
         fp = p.fingerprint
-        usable, stale = p.with_current_kernels(here["templates"] if here else templates_hash())
+        _, stale = p.with_current_kernels(here["templates"] if here else templates_hash())
         status = ""
         if here is not None:
-            v, diffs = fpmod.verdict(fp, here)
-            if v == "soft" and not usable.entries:
-                v = "refuse"
-            elif v == "soft" and all(k in fpmod.PER_ENTRY for k, _, _ in diffs):
-                v = "match"    # every entry it keeps is verified: used as an exact match is
             status = {"match": "  [this GPU]", "soft": "  [this GPU, other software: used with a warning]",
-                      "refuse": ""}[v]
+                      "refuse": ""}[assess(p, here)[0]]
         note = f" ({stale} timed on kernels that have changed since: not used)" if stale else ""
         print(f"{f}{status}\n    {fp['gpu']} (cc {fp['cc']}, {fp['sm_count']} SMs, {fp['memory_gib']} GiB), "
               f"driver {fp['driver']}, CUDA {fp['cuda_runtime']}, NVRTC {fp['nvrtc']}, moeforge {fp['moeforge']}, "

@@ -39,6 +39,21 @@ def candidate_files(user_dir: Path | None = None) -> list[Path]:
     return mine + shipped_profiles()
 
 
+def assess(prof: Profile, here: dict):
+    """How the runtime treats `prof` on fingerprint `here`: (verdict, usable profile, entries
+    left out, differing fields). Under other templates the entries are judged one by one:
+    none left is a refusal; all kept, with nothing else different, is as good as a match."""
+    v, diffs = fpmod.verdict(prof.fingerprint, here)
+    if v == "refuse":
+        return v, None, 0, diffs
+    usable, dropped = prof.with_current_kernels(here.get("templates"))
+    if not usable.entries:
+        return "refuse", None, dropped, diffs
+    if v == "soft" and all(k in fpmod.PER_ENTRY for k, _, _ in diffs) and not dropped:
+        v = "match"
+    return v, usable, dropped, diffs
+
+
 def resolve(here: dict, files: list[Path] | None = None, warn=_warn) -> Profile | None:
     """The profile to use for fingerprint `here`, or None for the defaults."""
     files = candidate_files() if files is None else files
@@ -49,15 +64,16 @@ def resolve(here: dict, files: list[Path] | None = None, warn=_warn) -> Profile 
         except ProfileError as e:
             warn(f"moeforge: profile {path} is corrupt and is not used: {'; '.join(e.problems[:5])}")
             continue
-        v, diffs = fpmod.verdict(prof.fingerprint, here)
+        v, usable, dropped, diffs = assess(prof, here)
         if v == "match":
-            return prof
-        (soft if v == "soft" else refused).append((prof, diffs, ""))
-    for prof, diffs, _ in soft:
-        usable, dropped = prof.with_current_kernels(here.get("templates"))
-        if not usable.entries:
-            refused.append((prof, diffs, f" (the kernels of all its {dropped} entries have changed since)"))
-            continue
+            return usable
+        if v == "soft":
+            soft.append((prof, usable, dropped, diffs))
+        else:
+            why = f" (the kernels of all its {dropped} entries have changed since)" if dropped else ""
+            refused.append((prof, diffs, why))
+    if soft:
+        prof, usable, dropped, diffs = soft[0]
         per_entry = [k for k, _, _ in diffs if k in fpmod.PER_ENTRY]
         under = ("other kernel templates" if len(per_entry) == len(diffs) else
                  "other software and kernel templates" if per_entry else "other software")
@@ -66,12 +82,10 @@ def resolve(here: dict, files: list[Path] | None = None, warn=_warn) -> Profile 
                  f"{prof.source}, tuned on this GPU under {under} ({fpmod.describe(diffs)}); the {dropped} "
                  f"whose kernels have changed since run the default kernels until `moeforge tune --stale` "
                  f"re-measures them")
-        elif len(per_entry) < len(diffs):
+        else:
             warn(f"moeforge: using profile {prof.source}, tuned on the same GPU under {under} "
                  f"({fpmod.describe(diffs)}{'; no kernel of its entries has changed' if per_entry else ''}); "
                  f"re-run `moeforge tune` to refresh it")
-        # else: only the templates differ and every entry's kernel is the one it timed: as
-        # good as an exact match, nothing to say
         return usable
     if refused:
         # Name the nearest refused profile (fewest differing fields): that is the one the
