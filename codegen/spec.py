@@ -175,6 +175,11 @@ class MmvqSpec(KernelSpec):
     act(gate) * up form, with optional biases on gate and up. per_pair: one block column
     per (token, slot) pair, which quantizes its own x row: a single launch, no routing,
     an expert chosen by several tokens is read once per token (tokens must be 1).
+    evict_first: weights are loaded as streaming data (ld.global.cs): read once per call,
+    they leave L2 first and keep the activations and the KV cache there. pdl: programmatic
+    dependent launch (sm_90 and later; elsewhere an ordinary launch): the grid is launched
+    while the previous kernel of the stream ends and waits for it on the device. Both off
+    by default, which renders the source the shipped profiles were tuned with.
     """
     family: ClassVar[str] = "mmvq"
     template: ClassVar[str] = "mmvq.cu.j2"
@@ -186,6 +191,8 @@ class MmvqSpec(KernelSpec):
     act: str | None = None
     bias: bool = False
     per_pair: bool = False
+    evict_first: bool = False
+    pdl: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
@@ -199,7 +206,9 @@ class MmvqSpec(KernelSpec):
         fused = f"-{self.act}" if self.act else ""
         bias = "-bias" if self.bias else ""
         pp = "-pp" if self.per_pair else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}"
+        ef = "-ef" if self.evict_first else ""
+        pdl = "-pdl" if self.pdl else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{ef}{pdl}"
 
     @property
     def threads(self) -> int:

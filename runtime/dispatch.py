@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..codegen.quant import quant_type
 from ..codegen.spec import KernelSpec, MmqSpec, MmvqSpec
 
 PATHS = ("mmvq", "mmq_id", "per_expert")
@@ -42,13 +43,17 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
-    """One token and rows of at most two k-units (k <= 2048 for 32-value blocks): a
-    per-pair block quantizes x itself and streams four gate and four up rows per warp
-    (one launch, no routing). Longer rows (gpt-oss, k=2880) make that per-block
+    """One token, 4-bit blocks and rows of at most two k-units (k <= 2048 for 32-value
+    blocks): a per-pair block quantizes x itself and streams four gate and four up rows
+    per warp (one launch, no routing, 159 registers: one wave). q8_0's 32-byte blocks
+    double the registers (231: two waves, 19 us against 16 for the tiles). Longer rows (gpt-oss, k=2880) make that per-block
     quantization the larger cost, and more tokens share each expert's weights: there the
-    routing tiles win (H100 sweeps, BENCHMARKS.md)."""
-    if n == 1 and 0 < k <= 2048:
-        return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, act=act, bias=bias, per_pair=True)
+    routing tiles win (H100 sweeps, BENCHMARKS.md). The one-token form streams its weights
+    (evict-first: 9.6 -> 8.6 us cold on an H100) and is launched with PDL (-0.3 us when
+    the previous kernel releases it early)."""
+    if n == 1 and 0 < k <= 2048 and quant_type(qtype).qs_bytes == 16:
+        return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, act=act, bias=bias, per_pair=True,
+                        evict_first=True, pdl=True)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 

@@ -8,6 +8,7 @@ from functools import lru_cache
 from ..codegen.compile import compile_spec
 from ..codegen.spec import KernelSpec, MmqSpec
 from .device import device_info, require_gpu
+from .launch_ex import launch_pdl
 
 
 @dataclass
@@ -18,6 +19,7 @@ class LoadedKernel:
     smem: int              # dynamic shared memory of a launch, when the spec fixes it
     blocks_per_sm: int     # occupancy from registers, shared memory and threads
     smem_limit: int        # the device's per-block opt-in maximum
+    pdl: bool = False      # launched with programmatic dependent launch (spec asks, sm_90+)
     _raised: int = 48 * 1024
 
     def __call__(self, grid, args, *, block=None, smem=None, stream=None):
@@ -29,7 +31,11 @@ class LoadedKernel:
                                  f"{self.smem_limit}")
             self.function.max_dynamic_shared_size_bytes = smem
             self._raised = smem
-        self.function(grid, (threads,), args, shared_mem=smem, stream=stream)
+        if self.pdl:
+            cp = require_gpu()
+            launch_pdl(self.function, grid, threads, smem, (stream or cp.cuda.get_current_stream()).ptr, args)
+        else:
+            self.function(grid, (threads,), args, shared_mem=smem, stream=stream)
 
 
 def _occupancy(info: dict, regs: int, threads: int, smem: int) -> int:
@@ -65,5 +71,6 @@ def _loaded(spec: KernelSpec, symbol: str, dev: int) -> LoadedKernel:
                          f"{info['smem_per_block_optin']}")
     regs = compiled.info.get(symbol, {}).get("registers", 0)
     threads = getattr(spec, "threads", 256)
+    pdl = bool(getattr(spec, "pdl", False)) and int(info["cc"].split(".")[0]) >= 9
     return LoadedKernel(spec, fn, regs, smem, _occupancy(info, regs, threads, smem),
-                        info["smem_per_block_optin"])
+                        info["smem_per_block_optin"], pdl)

@@ -89,3 +89,17 @@ def test_generate_compiles_every_instance_for_every_arch(generated):
     for arch in ARCHS:
         assert len(list((build_dir / arch).glob("*.cubin"))) == len(SPECS)
     assert "instances" in table and "sm_90" in table
+
+
+def test_every_default_decode_spec_is_generated():
+    """What dispatch runs without a profile must be among the instances generate builds."""
+    from moeforge.runtime import dispatch
+    generated = set(SPECS)
+    for qtype in ("q4_0", "q8_0"):
+        for n in range(1, 9):
+            for ids in (True, False):
+                assert dispatch.default_mmvq(qtype, n, ids) in generated
+                for act in ("silu", "gelu", "swiglu_oai"):
+                    for bias in (False, True):
+                        for k in (256, 2048, 2880):
+                            assert dispatch.default_fused(qtype, n, act, bias, ids, k) in generated

@@ -119,3 +119,44 @@ def test_fused_refuses_foreign_memory_and_bad_shapes(rng):
         moeforge.moe_gate_up(x, ids, gate=w["gate"])
     with pytest.raises(ValueError, match="act"):
         moeforge.moe_gate_up(x, ids, act="relu", **w)
+
+
+def test_pdl_chain_in_a_graph_reads_what_the_previous_call_wrote(rng):
+    """Consecutive PDL launches overlap: each call must still see the whole output of the
+    call before it (its x), in a captured graph as in the model's decode step."""
+    import dataclasses
+
+    import cupy as cp
+    from moeforge.runtime import dispatch
+    from moeforge.runtime.fused import Operands, run_moe_gate_up
+    E, top_k, n_ff, k = 8, 2, 1024, 2048          # top_k * n_ff == k: out feeds the next x
+    _, _, w = _weights(rng, "q4_0", E, n_ff, k, True)
+    pdl = dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=k)
+    assert pdl.pdl and pdl.per_pair
+    plain = dataclasses.replace(pdl, pdl=False)
+    x0 = cp.asarray((rng.standard_normal((1, k)) * 0.5).astype(np.float32))
+    idss = [cp.asarray(rng.choice(E, top_k, replace=False).reshape(1, top_k).astype(np.int32)) for _ in range(6)]
+
+    def chain(spec, outs):
+        xs = [x0] + [o.reshape(1, k) for o in outs[:-1]]
+        opss = [Operands(x, w["gate_up"], None, None, None, None, experts=True) for x in xs]
+        return lambda: [run_moe_gate_up(o, ids, out, "silu", spec) for o, ids, out in zip(opss, idss, outs)]
+
+    want = [cp.full((1, top_k, n_ff), cp.nan, dtype=cp.float32) for _ in idss]
+    chain(plain, want)()
+    want = [o.get() for o in want]
+    assert all(np.isfinite(o).all() for o in want)
+    outs = [cp.empty((1, top_k, n_ff), dtype=cp.float32) for _ in idss]
+    run = chain(pdl, outs)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+        for _ in range(5):
+            for o in outs:
+                o.fill(cp.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            for got, exp in zip(outs, want):
+                assert np.array_equal(got.get(), exp)

@@ -1,0 +1,42 @@
+"""The cuLaunchKernelEx path (PDL launches): the driver structs and argument packing, on
+the CPU. Their use on a GPU is tested in tests/gpu/test_fused.py."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from moeforge.codegen.render import render
+from moeforge.codegen.spec import MmvqSpec
+from moeforge.runtime import launch_ex
+
+
+def test_driver_structs_have_the_driver_layout():
+    # CUlaunchConfig: 7 uints, padding, stream, attrs, numAttrs (+ padding); CUlaunchAttribute: id,
+    # 4 bytes of padding, a 64-byte value union
+    assert ctypes.sizeof(launch_ex._Config) == 56
+    assert launch_ex._Config.stream.offset == 32
+    assert ctypes.sizeof(launch_ex._Attribute) == 72
+    assert launch_ex._Attribute.value.offset == 8
+
+
+def test_arguments_are_packed_by_type():
+    class FakeArray:
+        class data:
+            ptr = 0xDEAD0000
+    assert launch_ex._c_arg(np.uint64(7)).value == 7
+    assert isinstance(launch_ex._c_arg(np.int32(-3)), ctypes.c_int32)
+    assert launch_ex._c_arg(np.int32(-3)).value == -3
+    assert launch_ex._c_arg(np.float32(1.5)).value == 1.5
+    assert launch_ex._c_arg(FakeArray()).value == 0xDEAD0000
+    with pytest.raises(TypeError, match="int"):
+        launch_ex._c_arg(3)          # a bare Python int has no fixed width: refused
+
+
+def test_pdl_and_streaming_loads_render_only_when_asked():
+    base = MmvqSpec("q4_0", tokens=1, warps=4, rows=4, act="silu", per_pair=True)
+    both = MmvqSpec("q4_0", tokens=1, warps=4, rows=4, act="silu", per_pair=True, evict_first=True, pdl=True)
+    assert both.name == base.name + "-ef-pdl"
+    a, b = render(base), render(both)
+    assert "griddepcontrol" not in a and "__ldcs" not in a
+    assert b.count("griddepcontrol.wait") == 1 and "__CUDA_ARCH__ >= 900" in b
+    assert b.count("__ldcs(") == 2
