@@ -36,11 +36,12 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
                 for w, r in product(MMVQ_WARPS, MMVQ_ROWS)]
         out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias, per_pair=pp)
                 for act, bias, w, r in product(MmvqSpec.ACTS, (False, True), FUSED_WARPS, FUSED_ROWS)]
+    # one token: x quantized once just before, weights streamed, PDL launch (the defaults
+    # of dispatch.default_mmvq and, for 4-bit blocks, default_fused)
+    decode = dict(tokens=1, warps=4, rows=4, per_pair=True, prequant=True, evict_first=True, pdl=True)
+    out += [MmvqSpec(q.name, ids=ids, **decode) for ids in (True, False)]
     if q.qs_bytes == 16:
-        # the one-token fused default for 4-bit blocks (dispatch.default_fused): streaming
-        # weights, PDL launch
-        out += [MmvqSpec(q.name, tokens=1, warps=4, rows=4, ids=ids, act=act, bias=bias, per_pair=True,
-                         evict_first=True, pdl=True)
+        out += [MmvqSpec(q.name, ids=ids, act=act, bias=bias, **decode)
                 for ids, act, bias in product((True, False), MmvqSpec.ACTS, (False, True))]
     return out
 

@@ -178,8 +178,10 @@ class MmvqSpec(KernelSpec):
     evict_first: weights are loaded as streaming data (ld.global.cs): read once per call,
     they leave L2 first and keep the activations and the KV cache there. pdl: programmatic
     dependent launch (sm_90 and later; elsewhere an ordinary launch): the grid is launched
-    while the previous kernel of the stream ends and waits for it on the device. Both off
-    by default, which renders the source the shipped profiles were tuned with.
+    while the previous kernel of the stream ends and waits for it on the device.
+    prequant (per-pair): x is quantized once by a launch just before instead of in every
+    block; with pdl the blocks request their weights first and wait for x after.
+    All off by default, which renders the source the shipped profiles were tuned with.
     """
     family: ClassVar[str] = "mmvq"
     template: ClassVar[str] = "mmvq.cu.j2"
@@ -193,6 +195,7 @@ class MmvqSpec(KernelSpec):
     per_pair: bool = False
     evict_first: bool = False
     pdl: bool = False
+    prequant: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
@@ -208,7 +211,8 @@ class MmvqSpec(KernelSpec):
         pp = "-pp" if self.per_pair else ""
         ef = "-ef" if self.evict_first else ""
         pdl = "-pdl" if self.pdl else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{ef}{pdl}"
+        xq = "-xq" if self.prequant else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}"
 
     @property
     def threads(self) -> int:
@@ -216,7 +220,7 @@ class MmvqSpec(KernelSpec):
 
     def smem_bytes(self, k: int) -> int:
         """Dynamic shared memory of a launch for activations of width k."""
-        return _pad16((k // 32) * 40) if self.per_pair else 0
+        return _pad16((k // 32) * 40) if self.per_pair and not self.prequant else 0
 
     def check(self) -> None:
         self.quant  # noqa: B018 - an unknown type raises here
@@ -232,6 +236,8 @@ class MmvqSpec(KernelSpec):
             raise ValueError(f"{self.name}: act must be one of {self.ACTS}")
         if self.bias and self.act is None:
             raise ValueError(f"{self.name}: biases belong to the fused gate/up form")
+        if self.prequant and not self.per_pair:
+            raise ValueError(f"{self.name}: prequant belongs to the per-pair form (the others read x quantized)")
 
 
 SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec)}

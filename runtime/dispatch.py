@@ -35,10 +35,17 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
     return p
 
 
+# One token: x quantized by a launch just before (once, not in every block), the weights
+# streamed (evict-first) and the product launched with PDL, so that its blocks request their
+# expert ids and weights while x is being quantized (H100, BENCHMARKS.md).
+DECODE = dict(tokens=1, warps=4, rows=4, per_pair=True, prequant=True, evict_first=True, pdl=True)
+
+
 def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
-    """One launch per product, a block per (token, slot) pair that quantizes its own x
-    row: with 128 experts a decode batch rarely shares one, so grouping saves little and
-    costs the routing launch (H100 sweep, BENCHMARKS.md)."""
+    """A block per (token, slot) pair, no routing launch: with 128 experts a decode batch
+    rarely shares one, so grouping saves little (H100 sweep, BENCHMARKS.md)."""
+    if n == 1:
+        return MmvqSpec(qtype, ids=ids, **DECODE)
     return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, per_pair=True)
 
 
@@ -48,12 +55,10 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     per warp (one launch, no routing, 159 registers: one wave). q8_0's 32-byte blocks
     double the registers (231: two waves, 19 us against 16 for the tiles). Longer rows (gpt-oss, k=2880) make that per-block
     quantization the larger cost, and more tokens share each expert's weights: there the
-    routing tiles win (H100 sweeps, BENCHMARKS.md). The one-token form streams its weights
-    (evict-first: 9.6 -> 8.6 us cold on an H100) and is launched with PDL (-0.3 us when
-    the previous kernel releases it early)."""
+    routing tiles win (H100 sweeps, BENCHMARKS.md). The DECODE form: 9.6 -> 8.3 us cold
+    for the Qwen3 shape on an H100."""
     if n == 1 and 0 < k <= 2048 and quant_type(qtype).qs_bytes == 16:
-        return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, act=act, bias=bias, per_pair=True,
-                        evict_first=True, pdl=True)
+        return MmvqSpec(qtype, ids=ids, act=act, bias=bias, **DECODE)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 

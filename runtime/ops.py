@@ -172,8 +172,9 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
     spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only."""
     kern = load(spec)
     if spec.per_pair:
-        # the kernel quantizes its x row itself; the "rows" argument carries the ids
-        xq, xds, nbp = _aligned(x2d), None, 0
+        # the kernel quantizes its x row itself, or reads the rows quantized just before
+        # (prequant); the "rows" argument carries the ids
+        xq, xds, nbp = quantize_activations(x2d) if spec.prequant else (_aligned(x2d), None, 0)
         rows, tiles, ntt, n_dense = ids, None, None, 0
         max_tiles = ids.size if spec.ids else x2d.shape[0]
     elif spec.ids:

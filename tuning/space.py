@@ -103,7 +103,9 @@ def path_allows(op: str, path: str, spec: KernelSpec, shape, n: int) -> str | No
 def knobs(choice: Choice) -> dict:
     s = choice.spec
     if isinstance(s, MmvqSpec):
-        return {"tokens": s.tokens, "warps": s.warps, "rows": s.rows, "per_pair": s.per_pair}
+        # prequant instances are generated only with streaming loads and PDL: one knob
+        return {"tokens": s.tokens, "warps": s.warps, "rows": s.rows, "per_pair": s.per_pair,
+                "prequant": s.prequant}
     return {"x": s.x, "yw": f"y{s.y}w{s.warps}", "kblocks": s.kblocks, "stages": s.stages,
             "stream_k": s.stream_k}
 

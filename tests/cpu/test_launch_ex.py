@@ -40,3 +40,16 @@ def test_pdl_and_streaming_loads_render_only_when_asked():
     assert "griddepcontrol" not in a and "__ldcs" not in a
     assert b.count("griddepcontrol.wait") == 1 and "__CUDA_ARCH__ >= 900" in b
     assert b.count("__ldcs(") == 2
+
+
+def test_prequant_waits_for_x_after_requesting_its_weights():
+    spec = MmvqSpec("q4_0", tokens=1, warps=4, rows=4, act="silu", per_pair=True, prequant=True,
+                    evict_first=True, pdl=True)
+    src = render(spec)
+    body = src[src.index(spec.symbol + "("):]
+    assert "quantize_row_to_smem(" not in body                  # x comes quantized
+    assert body.count("griddepcontrol.wait") == 1
+    assert body.index("load_w(A") < body.index("griddepcontrol.wait") < body.index("compute_unit(")
+    assert spec.smem_bytes(2048) == 0
+    with pytest.raises(ValueError, match="prequant"):
+        MmvqSpec("q4_0", tokens=2, prequant=True).check()

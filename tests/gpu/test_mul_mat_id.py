@@ -52,6 +52,9 @@ def _choices(qtype, n, top_k):
     if n <= 64:
         out += [Choice("mmvq", MmvqSpec(qtype, tokens=1, warps=w, rows=r, per_pair=True))
                 for w, r in ((4, 2), (2, 1), (8, 4))]
+        # x quantized by the launch before, PDL: any n is correct (the default at n=1)
+        out += [Choice("mmvq", MmvqSpec(qtype, tokens=1, warps=w, rows=r, per_pair=True, prequant=True,
+                                        evict_first=ef, pdl=True)) for w, r, ef in ((4, 4, True), (2, 1, False))]
     out += [Choice("mmq_id", MmqSpec(qtype, x=8, y=128, warps=8, stages=3, stream_k=True)),
             Choice("mmq_id", MmqSpec(qtype, x=8, y=96, warps=3, kblocks=16, stages=2, stream_k=False)),
             Choice("mmq_id", MmqSpec(qtype, x=16, y=96, warps=6, kblocks=8, stages=3, stream_k=True)),
