@@ -37,11 +37,11 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
         out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias, per_pair=pp)
                 for act, bias, w, r in product(MmvqSpec.ACTS, (False, True), FUSED_WARPS, FUSED_ROWS)]
     # one token: x quantized once just before, weights streamed, PDL launch (the defaults
-    # of dispatch.default_mmvq and, for 4-bit blocks, default_fused)
+    # of dispatch.default_mmvq and default_fused)
     decode = dict(tokens=1, warps=4, rows=4, per_pair=True, prequant=True, evict_first=True, pdl=True)
     out += [MmvqSpec(q.name, ids=ids, **decode) for ids in (True, False)]
-    if q.qs_bytes == 16:
-        out += [MmvqSpec(q.name, ids=ids, act=act, bias=bias, **decode)
+    for rows in (4, 1) if q.qs_bytes == 16 else (1,):
+        out += [MmvqSpec(q.name, ids=ids, act=act, bias=bias, **{**decode, "rows": rows})
                 for ids, act, bias in product((True, False), MmvqSpec.ACTS, (False, True))]
     return out
 

@@ -50,15 +50,15 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
-    """One token, 4-bit blocks and rows of at most two k-units (k <= 2048 for 32-value
-    blocks): a per-pair block quantizes x itself and streams four gate and four up rows
-    per warp (one launch, no routing, 159 registers: one wave). q8_0's 32-byte blocks
-    double the registers (231: two waves, 19 us against 16 for the tiles). Longer rows (gpt-oss, k=2880) make that per-block
-    quantization the larger cost, and more tokens share each expert's weights: there the
-    routing tiles win (H100 sweeps, BENCHMARKS.md). The DECODE form: 9.6 -> 8.3 us cold
-    for the Qwen3 shape on an H100."""
-    if n == 1 and 0 < k <= 2048 and quant_type(qtype).qs_bytes == 16:
-        return MmvqSpec(qtype, ids=ids, act=act, bias=bias, **DECODE)
+    """One token: the DECODE form, a block per (token, slot) pair streaming gate and up rows,
+    x quantized once before. Four rows of each per warp for 4-bit blocks and rows of at
+    most two k-units (k <= 2048: 159 registers, one wave); one row otherwise (q8_0's 32-byte
+    blocks, gpt-oss's k=2880). H100, cold, against the routing tiles: Qwen3 q4_0 9.6 -> 8.3,
+    q8_0 16.0 -> 12.7, gpt-oss q4_0 20.3 -> 16.4, q8_0 29.9 -> 26.3 us. More tokens share
+    experts: there the routing tiles (BENCHMARKS.md)."""
+    if n == 1:
+        rows = 4 if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048 else 1
+        return MmvqSpec(qtype, ids=ids, act=act, bias=bias, **{**DECODE, "rows": rows})
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 

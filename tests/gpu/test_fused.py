@@ -160,3 +160,30 @@ def test_pdl_chain_in_a_graph_reads_what_the_previous_call_wrote(rng):
             stream.synchronize()
             for got, exp in zip(outs, want):
                 assert np.array_equal(got.get(), exp)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("k", [2048, 2880])
+def test_one_token_default_on_long_rows(rng, qtype, k):
+    """The one-token default changes its rows per warp with the block size and k (two or
+    three k-units per row): both references, biases and the gpt-oss activation."""
+    import cupy as cp
+    import moeforge
+    from moeforge.runtime import dispatch
+    E, top_k, n_ff = 16, 4, 72
+    spec = dispatch.default_fused(qtype, 1, "swiglu_oai", True, ids=True, k=k)
+    assert spec.prequant and spec.pdl
+    rg, ru, w = _weights(rng, qtype, E, n_ff, k, True)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    ids = rng.choice(E, top_k, replace=False).reshape(1, top_k).astype(np.int32)
+    bg = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32)
+    bu = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32)
+    out = cp.full((1, top_k, n_ff), cp.nan, dtype=cp.float32)
+    moeforge.moe_gate_up(cp.asarray(x), cp.asarray(ids), act="swiglu_oai", out=out, gate_bias=cp.asarray(bg),
+                         up_bias=cp.asarray(bu), **w)
+    got = out.get()
+    assert np.isfinite(got).all()
+    emu = _expected(qtype, E, n_ff, k, rg, ru, x, ids, "swiglu_oai", bg, bu, True)
+    flt = _expected(qtype, E, n_ff, k, rg, ru, x, ids, "swiglu_oai", bg, bu, False)
+    assert ref.nmse(got, emu) <= NMSE_EMULATED
+    assert ref.nmse(got, flt) <= NMSE_FLOAT
