@@ -103,3 +103,14 @@ def test_every_default_decode_spec_is_generated():
                     for bias in (False, True):
                         for k in (256, 2048, 2880):
                             assert dispatch.default_fused(qtype, n, act, bias, ids, k) in generated
+
+
+def test_fused_sweep_holds_the_default_and_each_decode_form_once():
+    from moeforge.bench_fused import _fused_specs
+    from moeforge.runtime import dispatch
+    specs = _fused_specs("q4_0", 1, "silu", False, sweep=True, k=2048)
+    assert specs[0] == dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=2048)
+    assert len(specs) == len(set(specs))
+    assert {s.rows for s in specs if s.prequant} == {1, 2, 4}
+    assert _fused_specs("q8_0", 2, "gelu", True, sweep=False, k=2880) == [
+        dispatch.default_fused("q8_0", 2, "gelu", True, ids=True, k=2880)]
