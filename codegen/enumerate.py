@@ -40,7 +40,7 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     # of dispatch.default_mmvq and default_fused)
     decode = dict(tokens=1, warps=4, rows=4, per_pair=True, prequant=True, evict_first=True, pdl=True)
     out += [MmvqSpec(q.name, ids=ids, **decode) for ids in (True, False)]
-    for rows in (4, 1) if q.qs_bytes == 16 else (1,):
+    for rows in (2, 1) if q.qs_bytes == 16 else (1,):
         out += [MmvqSpec(q.name, ids=ids, act=act, bias=bias, **{**decode, "rows": rows})
                 for ids, act, bias in product((True, False), MmvqSpec.ACTS, (False, True))]
     return out

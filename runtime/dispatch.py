@@ -51,13 +51,14 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
     """One token: the DECODE form, a block per (token, slot) pair streaming gate and up rows,
-    x quantized once before. Four rows of each per warp for 4-bit blocks and rows of at
-    most two k-units (k <= 2048: 159 registers, one wave); one row otherwise (q8_0's 32-byte
-    blocks, gpt-oss's k=2880). H100, cold, against the routing tiles: Qwen3 q4_0 9.6 -> 8.3,
+    x quantized once before. Two rows of each per warp for 4-bit blocks and rows of at
+    most two k-units (k <= 2048: 80 registers, one wave; four rows: 8.8 us, one: 8.8, two:
+    8.1); one row otherwise (q8_0's 32-byte blocks, gpt-oss's k=2880). H100, cold, against
+    the routing tiles: Qwen3 q4_0 9.6 -> 8.1,
     q8_0 16.0 -> 12.7, gpt-oss q4_0 20.3 -> 16.4, q8_0 29.9 -> 26.3 us. More tokens share
     experts: there the routing tiles (BENCHMARKS.md)."""
     if n == 1:
-        rows = 4 if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048 else 1
+        rows = 2 if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048 else 1
         return MmvqSpec(qtype, ids=ids, act=act, bias=bias, **{**DECODE, "rows": rows})
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
