@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 import time
 import warnings
 from pathlib import Path
@@ -90,7 +91,19 @@ def _sqlite_fast(storage) -> None:
     def on_connect(conn, _record):
         conn.isolation_level = None    # the driver stops issuing its own deferred BEGIN
         cur = conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=60000")   # wait for another worker's commit
+        # WAL is a property of the file, set by the first connection. Asking for it takes a
+        # lock that SQLite does not wait for: a worker connecting while another commits got
+        # "database is locked" here, so it only asks when needed, and retries.
+        for attempt in range(100):
+            try:
+                if cur.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                    cur.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or attempt == 99:
+                    raise
+                time.sleep(0.05 + 0.01 * attempt)
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
