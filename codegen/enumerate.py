@@ -38,10 +38,9 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
                 for act, bias, w, r in product(MmvqSpec.ACTS, (False, True), FUSED_WARPS, FUSED_ROWS)]
     # one token: x quantized once just before, weights streamed, PDL launch (the defaults
     # of dispatch.default_mmvq and default_fused)
-    decode = dict(tokens=1, warps=4, rows=4, per_pair=True, prequant=True, evict_first=True, pdl=True)
-    out += [MmvqSpec(q.name, ids=ids, **decode) for ids in (True, False)]
+    out += [MmvqSpec.decode(q.name, ids=ids) for ids in (True, False)]
     for rows in (2, 1) if q.qs_bytes == 16 else (1,):
-        out += [MmvqSpec(q.name, ids=ids, act=act, bias=bias, **{**decode, "rows": rows})
+        out += [MmvqSpec.decode(q.name, ids=ids, rows=rows, act=act, bias=bias)
                 for ids, act, bias in product((True, False), MmvqSpec.ACTS, (False, True))]
     return out
 

@@ -199,6 +199,13 @@ class MmvqSpec(KernelSpec):
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
+    @classmethod
+    def decode(cls, qtype: str, *, ids: bool = True, rows: int = 4, act: str | None = None,
+               bias: bool = False) -> "MmvqSpec":
+        """The one-token form: per pair, x quantized just before, streaming weights, PDL."""
+        return cls(qtype, tokens=1, warps=4, rows=rows, ids=ids, act=act, bias=bias, per_pair=True,
+                   prequant=True, evict_first=True, pdl=True)
+
     @property
     def quant(self) -> QuantType:
         return quant_type(self.qtype)

@@ -40,7 +40,7 @@ def _fused_specs(qtype, n, act, bias, sweep: bool, k: int):
     out = [default] + [MmvqSpec(qtype, tokens=t, warps=4, rows=r, act=act, bias=bias) for r in (1, 2, 4)]
     if n == 1:
         out += [MmvqSpec(qtype, tokens=1, warps=4, rows=r, act=act, bias=bias, per_pair=True) for r in (1, 2, 4)]
-        out += [MmvqSpec(qtype, ids=True, act=act, bias=bias, **{**dispatch.DECODE, "rows": r}) for r in (1, 2, 4)]
+        out += [MmvqSpec.decode(qtype, rows=r, act=act, bias=bias) for r in (1, 2, 4)]
     seen, uniq = set(), []
     for s in out:
         if s not in seen:

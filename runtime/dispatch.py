@@ -35,22 +35,19 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
     return p
 
 
-# One token: x quantized by a launch just before (once, not in every block), the weights
-# streamed (evict-first) and the product launched with PDL, so that its blocks request their
-# expert ids and weights while x is being quantized (H100, BENCHMARKS.md).
-DECODE = dict(tokens=1, warps=4, rows=4, per_pair=True, prequant=True, evict_first=True, pdl=True)
-
-
 def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
     """A block per (token, slot) pair, no routing launch: with 128 experts a decode batch
-    rarely shares one, so grouping saves little (H100 sweep, BENCHMARKS.md)."""
+    rarely shares one, so grouping saves little (H100 sweep, BENCHMARKS.md). One token: the
+    decode form (MmvqSpec.decode): x quantized by a launch just before (once, not in every
+    block), the weights streamed (evict-first) and the product launched with PDL, so that its
+    blocks request their expert ids and weights while x is being quantized."""
     if n == 1:
-        return MmvqSpec(qtype, ids=ids, **DECODE)
+        return MmvqSpec.decode(qtype, ids=ids)
     return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, per_pair=True)
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
-    """One token: the DECODE form, a block per (token, slot) pair streaming gate and up rows,
+    """One token: the decode form (MmvqSpec.decode), a block per (token, slot) pair streaming gate and up rows,
     x quantized once before. Two rows of each per warp for 4-bit blocks and rows of at
     most two k-units (k <= 2048: 80 registers, one wave; four rows: 8.8 us, one: 8.8, two:
     8.1); one row otherwise (q8_0's 32-byte blocks, gpt-oss's k=2880). H100, cold, against
@@ -59,7 +56,7 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     experts: there the routing tiles (BENCHMARKS.md)."""
     if n == 1:
         rows = 2 if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048 else 1
-        return MmvqSpec(qtype, ids=ids, act=act, bias=bias, **{**DECODE, "rows": rows})
+        return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 
