@@ -57,6 +57,10 @@ class Backend:
     def __init__(self, hp: HParams):
         self.hp = hp
 
+    def decoding(self):
+        """Context of a one-token step (the CUDA backend chains its launches there)."""
+        return contextlib.nullcontext()
+
     # -- weights ---------------------------------------------------------------------------
     def matrix(self, ref):
         raise NotImplementedError

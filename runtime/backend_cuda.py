@@ -9,6 +9,7 @@ in device memory). The graph is captured again whenever a buffer it uses was rea
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -54,15 +55,23 @@ class CudaBackend(Backend):
         self._graph = self._graph_key = self._graph_out = self._warm_key = None
         self._step_in = None
         self._counter = None
+        self._decoding = False       # inside decode_step: model kernels launch with PDL
 
     def context(self):
         return self.stream
 
     # -- plumbing -----------------------------------------------------------------------------
     def kernel(self, name: str):
+        """A model kernel as fn(grid, block, args). Every one of them waits for the grid
+        before it on entry (templates/model.cu.j2, pdl_enter), so in the decode step each is
+        launched with PDL where the card has it: its launch overlaps the kernel before, and
+        a step of ~600 small kernels loses no launch gaps. Prompt ubatches launch them as
+        usual (their kernels are long, and a ctypes launch costs more host time)."""
         fn = self._kernels.get(name)
         if fn is None:
-            fn = self._kernels[name] = load(ModelSpec(), name).function
+            k = load(ModelSpec(), name)
+            fn = self._kernels[name] = lambda grid, block, args: k(grid, args, block=block[0], smem=0,
+                                                                   pdl=self._decoding)
         return fn
 
     def ws(self, name: str, shape, dtype=np.float32):
@@ -286,7 +295,19 @@ class CudaBackend(Backend):
         """Everything the captured graph points at: our buffers, the cache, ops' workspace."""
         return (id(model.cache), self.generation, ops.WORKSPACE.generation)
 
+    @contextlib.contextmanager
+    def decoding(self):
+        self._decoding = True
+        try:
+            yield
+        finally:
+            self._decoding = False
+
     def decode_step(self, model, token: int, pos0: int):
+        with self.decoding():
+            return self._decode_step(model, token, pos0)
+
+    def _decode_step(self, model, token: int, pos0: int):
         if self._step_in is None:
             self._step_in = self.ws("step_in", (2,), np.int32)
         self._step_in.set(np.array([token, pos0], dtype=np.int32), stream=self.stream)

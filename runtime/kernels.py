@@ -8,7 +8,7 @@ from functools import lru_cache
 from ..codegen.compile import compile_spec
 from ..codegen.spec import KernelSpec, MmqSpec
 from .device import device_info, require_gpu
-from .launch_ex import launch_pdl
+from .launch_ex import launch_pdl, pdl_available
 
 
 @dataclass
@@ -20,9 +20,12 @@ class LoadedKernel:
     blocks_per_sm: int     # occupancy from registers, shared memory and threads
     smem_limit: int        # the device's per-block opt-in maximum
     pdl: bool = False      # launched with programmatic dependent launch (spec asks, sm_90+)
+    pdl_ok: bool = False   # the device has PDL (and MOEFORGE_PDL is not 0)
     _raised: int = 48 * 1024
 
-    def __call__(self, grid, args, *, block=None, smem=None, stream=None):
+    def __call__(self, grid, args, *, block=None, smem=None, stream=None, pdl=None):
+        """pdl: None as the spec asks; True for a kernel that waits for the grid before it
+        (griddepcontrol.wait) before touching memory; ignored where the device lacks PDL."""
         threads = block or getattr(self.spec, "threads", 256)
         smem = self.smem if smem is None else smem
         if smem > self._raised:
@@ -31,7 +34,7 @@ class LoadedKernel:
                                  f"{self.smem_limit}")
             self.function.max_dynamic_shared_size_bytes = smem
             self._raised = smem
-        if self.pdl:
+        if (self.pdl if pdl is None else pdl) and self.pdl_ok:
             cp = require_gpu()
             launch_pdl(self.function, grid, threads, smem, (stream or cp.cuda.get_current_stream()).ptr, args)
         else:
@@ -71,6 +74,6 @@ def _loaded(spec: KernelSpec, symbol: str, dev: int) -> LoadedKernel:
                          f"{info['smem_per_block_optin']}")
     regs = compiled.info.get(symbol, {}).get("registers", 0)
     threads = getattr(spec, "threads", 256)
-    pdl = bool(getattr(spec, "pdl", False)) and int(info["cc"].split(".")[0]) >= 9
+    ok = pdl_available(info["cc"])
     return LoadedKernel(spec, fn, regs, smem, _occupancy(info, regs, threads, smem),
-                        info["smem_per_block_optin"], pdl)
+                        info["smem_per_block_optin"], bool(getattr(spec, "pdl", False)) and ok, ok)

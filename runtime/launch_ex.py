@@ -4,6 +4,7 @@ the current stream like any other, so it is captured into CUDA graphs as well.""
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -38,9 +39,17 @@ def _pdl_attribute() -> _Attribute:
     return a
 
 
+def pdl_available(cc: str) -> bool:
+    """PDL where the card has it (sm_90 and later), unless MOEFORGE_PDL=0 asks for ordinary
+    launches everywhere (to compare, or to rule it out); the kernels run the same either way."""
+    return int(cc.split(".")[0]) >= 9 and os.environ.get("MOEFORGE_PDL", "1") != "0"
+
+
 def _c_arg(a):
     if isinstance(a, np.uint64):
         return ctypes.c_uint64(int(a))
+    if isinstance(a, np.int64):
+        return ctypes.c_int64(int(a))
     if isinstance(a, np.int32):
         return ctypes.c_int32(int(a))
     if isinstance(a, np.float32):

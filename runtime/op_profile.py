@@ -16,6 +16,8 @@ time each call.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -212,7 +214,9 @@ class _Pass:
         self.pos = B.to_device(np.arange(n_past, n_past + toks.size, dtype=np.int32), "prof_pos")
 
     def __call__(self):
-        return self.model._forward(self.model, self.tokens, self.pos, self.n_past, self.n, True)
+        B = self.model.backend
+        with B.decoding() if self.n == 1 else contextlib.nullcontext():   # launched as decode_step does
+            return self.model._forward(self.model, self.tokens, self.pos, self.n_past, self.n, True)
 
 
 def format_profile(p: Profile, title: str) -> str:

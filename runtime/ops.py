@@ -110,12 +110,14 @@ def _aligned(x2d):
     return x2d if x2d.data.ptr % 16 == 0 else x2d.copy()
 
 
-def quantize_activations(x2d):
-    """float32 (rows, k) -> q8_1 (xq int8 (rows, k), xds float32 (rows, nbp, 2), nbp)."""
+def quantize_activations(x2d, pdl: bool = False):
+    """float32 (rows, k) -> q8_1 (xq int8 (rows, k), xds float32 (rows, nbp, 2), nbp).
+    pdl: launched with PDL (the kernel waits for x's writer on the device first), as the
+    one-token products after it are: the chain of a decode step has no launch gaps."""
     rows, k = x2d.shape
     xq, xds, nbp = _x_buffers(rows, k)
     _util("quantize_q8_1")((-(-rows * nbp // 64),), (_aligned(x2d), xq, xds, _i32(rows), _i32(k), _i32(nbp)),
-                           block=512)
+                           block=512, pdl=pdl)
     return xq, xds, nbp
 
 
@@ -174,7 +176,7 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
     if spec.per_pair:
         # the kernel quantizes its x row itself, or reads the rows quantized just before
         # (prequant); the "rows" argument carries the ids
-        xq, xds, nbp = quantize_activations(x2d) if spec.prequant else (_aligned(x2d), None, 0)
+        xq, xds, nbp = quantize_activations(x2d, spec.pdl) if spec.prequant else (_aligned(x2d), None, 0)
         rows, tiles, ntt, n_dense = ids, None, None, 0
         max_tiles = ids.size if spec.ids else x2d.shape[0]
     elif spec.ids:

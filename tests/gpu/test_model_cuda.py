@@ -246,3 +246,42 @@ def test_router_and_routing_in_one_launch(parity_models, n):
         np.testing.assert_array_equal(ia.get(), ib.get())
         np.testing.assert_array_equal(wa.get(), wb.get())
     assert int(B._counter.get()[0]) == 0
+
+
+_DECODE_OFF = """
+import sys, numpy as np
+from moeforge.codegen.spec import ModelSpec
+from moeforge.runtime.kernels import load
+from moeforge.runtime.model import load_model
+path, toks_file, out_file = sys.argv[1:]
+toks = np.load(toks_file)
+m = load_model(path, backend="cuda")
+m.reset(len(toks))
+np.save(out_file, np.concatenate([m.eval([t]) for t in toks]))
+assert not load(ModelSpec(), "rms_norm").pdl_ok
+"""
+
+
+def test_pdl_launches_change_no_bit_of_the_decode(parity_models, tmp_path):
+    """Model kernels, quantizers and mat-vecs launched with PDL (each waiting on the device
+    for the kernel before) against ordinary launches in another process (MOEFORGE_PDL=0):
+    the same decode logits, bit for bit, through the captured graph."""
+    import os
+    import subprocess
+    import sys
+
+    from moeforge.codegen.spec import ModelSpec
+    from moeforge.runtime.device import device_info
+    from moeforge.runtime.kernels import load
+    fx = parity_models["q4_0"]
+    toks = np.asarray(fx["tokens"][:24])
+    m = load_model(fx["path"], backend="cuda")
+    m.reset(len(toks))
+    got = np.concatenate([m.eval([t]) for t in toks])
+    assert m.backend._graph is not None
+    assert load(ModelSpec(), "rms_norm").pdl_ok == (int(device_info()["cc"].split(".")[0]) >= 9)
+    np.save(tmp_path / "toks.npy", toks)
+    env = {**os.environ, "MOEFORGE_PDL": "0"}
+    subprocess.run([sys.executable, "-c", _DECODE_OFF, fx["path"], str(tmp_path / "toks.npy"),
+                    str(tmp_path / "off.npy")], env=env, check=True, timeout=600)
+    np.testing.assert_array_equal(got, np.load(tmp_path / "off.npy"))
