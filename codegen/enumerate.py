@@ -42,6 +42,9 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     for rows in (2, 1) if q.qs_bytes == 16 else (1,):
         out += [MmvqSpec.decode(q.name, ids=ids, rows=rows, act=act, bias=bias)
                 for ids, act, bias in product((True, False), MmvqSpec.ACTS, (False, True))]
+        # the model's expert gate/up after the router, x quantized by the norm before it
+        out += [MmvqSpec.decode(q.name, rows=rows, act=act, bias=bias, wait_first=True)
+                for act, bias in product(MmvqSpec.ACTS, (False, True))]
     return out
 
 

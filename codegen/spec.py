@@ -181,6 +181,8 @@ class MmvqSpec(KernelSpec):
     while the previous kernel of the stream ends and waits for it on the device.
     prequant (per-pair): x is quantized once by a launch just before instead of in every
     block; with pdl the blocks request their weights first and wait for x after.
+    wait_first (prequant, pdl): x was quantized by an earlier kernel (the model's norms) and
+    the kernel just before wrote the expert ids (the router): wait first, then request.
     All off by default, which renders the source the shipped profiles were tuned with.
     """
     family: ClassVar[str] = "mmvq"
@@ -196,15 +198,16 @@ class MmvqSpec(KernelSpec):
     evict_first: bool = False
     pdl: bool = False
     prequant: bool = False
+    wait_first: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
     @classmethod
     def decode(cls, qtype: str, *, ids: bool = True, rows: int = 4, act: str | None = None,
-               bias: bool = False) -> "MmvqSpec":
+               bias: bool = False, wait_first: bool = False) -> "MmvqSpec":
         """The one-token form: per pair, x quantized just before, streaming weights, PDL."""
         return cls(qtype, tokens=1, warps=4, rows=rows, ids=ids, act=act, bias=bias, per_pair=True,
-                   prequant=True, evict_first=True, pdl=True)
+                   prequant=True, evict_first=True, pdl=True, wait_first=wait_first)
 
     @property
     def quant(self) -> QuantType:
@@ -219,7 +222,8 @@ class MmvqSpec(KernelSpec):
         ef = "-ef" if self.evict_first else ""
         pdl = "-pdl" if self.pdl else ""
         xq = "-xq" if self.prequant else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}"
+        wf = "-wf" if self.wait_first else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}"
 
     @property
     def threads(self) -> int:
@@ -245,6 +249,8 @@ class MmvqSpec(KernelSpec):
             raise ValueError(f"{self.name}: biases belong to the fused gate/up form")
         if self.prequant and not self.per_pair:
             raise ValueError(f"{self.name}: prequant belongs to the per-pair form (the others read x quantized)")
+        if self.wait_first and not (self.prequant and self.pdl):
+            raise ValueError(f"{self.name}: wait_first belongs to the prequant form launched with pdl")
 
 
 SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec)}

@@ -8,6 +8,8 @@ foreign pointer is how ik_llama.cpp's first version of this fusion crashed).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..codegen.spec import MmvqSpec
@@ -111,13 +113,19 @@ def moe_gate_up(x, ids, *, gate_up: QuantTensor | None = None, gate: QuantTensor
     return out
 
 
-def run_moe_gate_up(o: "_Operands", ids, out, act: str, spec: MmvqSpec | None = None) -> None:
-    """The launches of moe_gate_up, on validated operands (graph-capturable for n <= 8)."""
+def run_moe_gate_up(o: "_Operands", ids, out, act: str, spec: MmvqSpec | None = None, x_q8=None) -> None:
+    """The launches of moe_gate_up, on validated operands (graph-capturable for n <= 8).
+    x_q8 (xq, xds, nbp): x quantized by an earlier kernel (the model's norm); the ids may
+    come from the kernel just before, so the one-token form then waits before it reads them."""
     n, top_k = ids.shape
     if n <= dispatch.MMVQ_MAX_TOKENS:
         spec = spec or dispatch.default_fused(o.gate.qtype, n, act, o.bias_g is not None, ids=True, k=o.gate.k)
+        if x_q8 is not None and spec.prequant and spec.pdl:
+            spec = dataclasses.replace(spec, wait_first=True)
+        elif not spec.prequant:
+            x_q8 = None
         _mmvq(spec, o.gate, o.x, ids, top_k, out, o.n_ff, up=o.up, up_off=o.up_off,
-              rows_e=o.rows_e, bias_g=o.bias_g, bias_u=o.bias_u, bias_e=o.n_ff)
+              rows_e=o.rows_e, bias_g=o.bias_g, bias_u=o.bias_u, bias_e=o.n_ff, x_q8=x_q8)
         return
     # Larger batches: grouped GEMMs and the activation on their outputs.
     g, u = _split_products(o, ids, experts=True)

@@ -98,8 +98,13 @@ def _util(name: str):
     return load(UtilSpec(), name)
 
 
+def q8_1_blocks_padded(k: int) -> int:
+    """Blocks per row of the q8_1 scales (xds): k/32 rounded up to 32, the tail zeroed."""
+    return _round_up(k // 32, 32)
+
+
 def _x_buffers(rows: int, k: int):
-    nbp = _round_up(k // 32, 32)
+    nbp = q8_1_blocks_padded(k)
     xq = WORKSPACE.get("xq", rows * k, np.int8).reshape(rows, k)
     xds = WORKSPACE.get("xds", rows * nbp * 8, np.float32).reshape(rows, nbp, 2)
     return xq, xds, nbp
@@ -169,14 +174,18 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
 
 def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
           up: QuantTensor | None = None, up_off: int = 0, rows_e: int | None = None,
-          bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None):
+          bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None, x_q8=None):
     """Mat-vec launch after one preparing launch: with ids, routing into tiles of at most
-    spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only."""
+    spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only.
+    x_q8 (xq, xds, nbp): x already quantized by an earlier kernel, for a prequant spec."""
     kern = load(spec)
     if spec.per_pair:
-        # the kernel quantizes its x row itself, or reads the rows quantized just before
+        # the kernel quantizes its x row itself, or reads the rows quantized before
         # (prequant); the "rows" argument carries the ids
-        xq, xds, nbp = quantize_activations(x2d, spec.pdl) if spec.prequant else (_aligned(x2d), None, 0)
+        if spec.prequant:
+            xq, xds, nbp = x_q8 if x_q8 is not None else quantize_activations(x2d, spec.pdl)
+        else:
+            xq, xds, nbp = _aligned(x2d), None, 0
         rows, tiles, ntt, n_dense = ids, None, None, 0
         max_tiles = ids.size if spec.ids else x2d.shape[0]
     elif spec.ids:
@@ -274,11 +283,13 @@ def mul_mat_id(w: QuantTensor, x, ids, *, weights=None, out=None, choice: dispat
     return out
 
 
-def run_mul_mat(w: QuantTensor, x, out, choice: dispatch.Choice) -> None:
+def run_mul_mat(w: QuantTensor, x, out, choice: dispatch.Choice, x_q8=None) -> None:
+    """x_q8: see _mmvq. With PDL the weights are requested before the wait for the kernel
+    before, so they must not be written by a kernel in flight (model weights never are)."""
     m, k = w.shape
     n = x.shape[0]
     if choice.path == "mmvq":
-        _mmvq(choice.spec, w, x, None, 1, out, m)
+        _mmvq(choice.spec, w, x, None, 1, out, m, x_q8=x_q8 if choice.spec.prequant else None)
     elif choice.path == "mmq":
         xq, xds, nbp = quantize_activations(x)
         _mmq(choice.spec, w, 0, xq, xds, nbp, out.data.ptr, m, None, None, None,

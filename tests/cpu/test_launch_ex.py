@@ -106,3 +106,22 @@ def test_expert_ids_read_before_the_wait_come_from_l2():
     assert body.index("__ldcg(rows + tt)") < body.index("griddepcontrol.wait")
     plain = render(MmvqSpec("q4_0", tokens=1, warps=4, rows=4, per_pair=True))
     assert "__ldcg" not in plain       # the source shipped profiles timed stays as it was
+
+
+def test_wait_first_waits_before_the_expert_ids():
+    """After the router (which wrote the ids) nothing may be read before the wait."""
+    spec = MmvqSpec.decode("q4_0", rows=2, act="silu", wait_first=True)
+    assert spec.name == MmvqSpec.decode("q4_0", rows=2, act="silu").name + "-wf"
+    body = render(spec)
+    body = body[body.index(spec.symbol + "("):]
+    assert body.count("griddepcontrol.wait") == 1
+    assert body.index("griddepcontrol.wait") < body.index("ti.expert = IDS ?") < body.index("load_w(A")
+    with pytest.raises(ValueError, match="wait_first"):
+        MmvqSpec("q4_0", tokens=1, per_pair=True, prequant=True, wait_first=True).check()
+
+
+def test_norms_can_write_their_output_quantized():
+    from moeforge.codegen.spec import ModelSpec
+    bodies = _kernels(render(ModelSpec()))
+    for name in ("rms_norm", "add_rms_norm", "moe_combine_rms_norm"):
+        assert "norm_out(" in render(ModelSpec()).split(f"void {name}(")[1][:3000]

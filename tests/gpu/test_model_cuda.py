@@ -285,3 +285,20 @@ def test_pdl_launches_change_no_bit_of_the_decode(parity_models, tmp_path):
     subprocess.run([sys.executable, "-c", _DECODE_OFF, fx["path"], str(tmp_path / "toks.npy"),
                     str(tmp_path / "off.npy")], env=env, check=True, timeout=600)
     np.testing.assert_array_equal(got, np.load(tmp_path / "off.npy"))
+
+
+def test_norms_quantizing_their_output_change_no_bit(parity_models):
+    """In the decode step the norms also write q8_1 of their output and the products after
+    them skip their quantizing launch (the expert one then waits for the router before it
+    reads the ids): the logits must be those of the separate quantizing launches."""
+    fx = parity_models["q4_0"]
+    toks = fx["tokens"][:16]
+    outs = []
+    for fused in (True, False):
+        m = load_model(fx["path"], backend="cuda")
+        m.backend.fuse_norm_q8 = fused
+        m.reset(len(toks))
+        outs.append(np.concatenate([m.eval([t]) for t in toks]))
+        assert m.backend._graph is not None
+        assert (m.backend._q8 is not None) == fused      # the last norm of the step wrote one
+    np.testing.assert_array_equal(outs[0], outs[1])
