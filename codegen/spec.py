@@ -103,6 +103,11 @@ class MmqSpec(KernelSpec):
     kblocks: quant blocks per pipeline stage, stages: cp.async pipeline depth.
     ids=True is MUL_MAT_ID (all experts in one launch, tiles from the routing kernel);
     stream_k=True splits the (tile, k-chunk) work evenly over a persistent grid.
+    evict_first: the weight copies carry an L2 evict-first policy (rows read once per call
+    should leave L2 before the activations). pdl: the kernel waits for the grid before it on
+    the device first thing and is launched with programmatic dependent launch (sm_90+). Both
+    are launch forms the runtime applies to a tuned tile (runtime.ops.mmq_launch_form); off,
+    the source is the one the shipped profiles were tuned with.
     """
     family: ClassVar[str] = "mmq"
     template: ClassVar[str] = "mmq.cu.j2"
@@ -114,6 +119,8 @@ class MmqSpec(KernelSpec):
     stages: int = 2
     ids: bool = True
     stream_k: bool = True
+    evict_first: bool = False
+    pdl: bool = False
 
     @property
     def quant(self) -> QuantType:
@@ -123,7 +130,9 @@ class MmqSpec(KernelSpec):
     def name(self) -> str:
         fam = "mmq_id" if self.ids else "mmq"
         sk = "-sk" if self.stream_k else ""
-        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}{sk}"
+        ef = "-ef" if self.evict_first else ""
+        pdl = "-pdl" if self.pdl else ""
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}{sk}{ef}{pdl}"
 
     @property
     def threads(self) -> int:

@@ -142,7 +142,7 @@ def run_shape(qtype: str, shape, ns, mode: str, reps: int, rng, info, bw_gbs: fl
                 print(f"  {qtype} n={n} {choice.spec.name}: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
             a = anchor_us(qtype, shape, n)
-            row = dict(qtype=qtype, shape=list(shape), n=n, path=choice.path, spec=choice.spec.name,
+            row = dict(qtype=qtype, shape=list(shape), n=n, path=choice.path, spec=_launched(choice, n, top_k, E, info),
                        source=choice.source, us=round(t_hot.median_us, 2), us_cold=round(t_cold.median_us, 2),
                        spread=round(t_hot.spread, 3), graph=graph,
                        tflops=round(2.0 * m * k * n * top_k / (t_hot.median_us * 1e6), 2),
@@ -151,6 +151,15 @@ def run_shape(qtype: str, shape, ns, mode: str, reps: int, rng, info, bw_gbs: fl
             out_rows.append(row)
             print(f"  {qtype} {','.join(map(str, shape))} n={n:<5} {choice.path:<10} {choice.spec.name:<34} "
                   f"{row['us']:>9.2f} us  cold {row['us_cold']:>9.2f}", file=sys.stderr, flush=True)
+
+
+def _launched(choice, n: int, top_k: int, E: int, info: dict) -> str:
+    """The name of the kernel that ran: a MUL_MAT_ID tile runs in its launch form."""
+    if choice.path != "mmq_id":
+        return choice.spec.name
+    from .runtime.launch_ex import pdl_available
+    from .runtime.ops import mmq_launch_form
+    return mmq_launch_form(choice.spec, n * top_k / E, pdl_available(info["cc"])).name
 
 
 def best_rows(rows: list) -> list:

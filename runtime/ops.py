@@ -9,12 +9,15 @@ counts), so they can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..codegen.spec import MmqSpec, MmvqSpec, UtilSpec
 from . import dispatch, streamk
 from .device import device_info, require_gpu
 from .kernels import load
+from .launch_ex import pdl_available
 from .tensor import QuantTensor
 
 _NULL = np.uint64(0)
@@ -126,8 +129,9 @@ def quantize_activations(x2d, pdl: bool = False):
     return xq, xds, nbp
 
 
-def _prepare(ids, E: int, tile_x: int, x2d):
-    """Routing and q8_1 quantization of x in one launch."""
+def _prepare(ids, E: int, tile_x: int, x2d, pdl: bool = False):
+    """Routing and q8_1 quantization of x in one launch (pdl: as the product after it is;
+    the kernel waits for the writer of ids and x on the device first)."""
     N = ids.size
     rows_x, k = x2d.shape
     xq, xds, nbp = _x_buffers(rows_x, k)
@@ -139,7 +143,7 @@ def _prepare(ids, E: int, tile_x: int, x2d):
     qblocks = -(-rows_x * nbp // 64)
     _util("prepare_moe")((E + qblocks,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff,
                                           _aligned(x2d), xq, xds, _i32(rows_x), _i32(k), _i32(nbp)),
-                         block=512, smem=(3 * E + 32) * 4)
+                         block=512, smem=(3 * E + 32) * 4, pdl=pdl)
     return (rows, tiles, ntt, eoff, max_tiles), (xq, xds, nbp)
 
 
@@ -208,6 +212,24 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
 
 
 # -- the products -------------------------------------------------------------------------
+MMQ_LAUNCH_FORMS = True     # tests compare against the plain launches
+
+
+def mmq_launch_form(spec: MmqSpec, tokens_per_expert: float, pdl: bool) -> MmqSpec:
+    """How a MUL_MAT_ID tile chosen by a profile or the defaults is launched here. Where each
+    expert's rows are read by one column of tiles (on average at most x tokens each), the
+    product streams its weights once and launch gaps are a good part of its time: the weight
+    copies then carry an L2 evict-first policy, and the routing launch and the product are
+    chained with PDL where the card has it (each waits on the device for the kernel before).
+    Same tile, same arithmetic, same bits. H100, same call (BENCHMARKS.md), hot: q4_0 Qwen3
+    shape n=16 37.8 -> 36.0 us, 256: 93.3 -> 89.9, 512: 128.2 -> 125.0; q8_0 n=16 62.4 ->
+    58.8. Where tiles re-read weights (n >= 1024 there) PDL alone cost 2-3% (n=2048, 4096),
+    so those launch as tuned. The tuner times its candidates through this too."""
+    if not MMQ_LAUNCH_FORMS or not spec.ids or tokens_per_expert > spec.x:
+        return spec
+    return dataclasses.replace(spec, evict_first=True, pdl=spec.pdl or pdl)
+
+
 def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights=None) -> None:
     """No validation: callers (mul_mat_id, the model runtime, the tuner) have done it.
     weights (n, top_k) float32, optional: each entry's row is multiplied by its weight."""
@@ -220,7 +242,8 @@ def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights
         _mmvq(spec, w, x2d, ids, x_div, out, m, entry_scale=weights)
         return
     elif choice.path == "mmq_id":
-        (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d)
+        spec = mmq_launch_form(spec, n * top_k / E, pdl_available(device_info(w.buffer.device.id)["cc"]))
+        (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d, spec.pdl)
         _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, rows, tiles, ntt, max_tiles, 0, x_div)
     elif choice.path == "per_expert":
         _per_expert(spec, w, x2d, ids, x_div, out)

@@ -122,6 +122,33 @@ def test_wait_first_waits_before_the_expert_ids():
 
 def test_norms_can_write_their_output_quantized():
     from moeforge.codegen.spec import ModelSpec
-    bodies = _kernels(render(ModelSpec()))
+    src = render(ModelSpec())
     for name in ("rms_norm", "add_rms_norm", "moe_combine_rms_norm"):
-        assert "norm_out(" in render(ModelSpec()).split(f"void {name}(")[1][:3000]
+        body = src.split(f"void {name}(")[1]
+        assert "norm_out(" in body[:body.index("\n}\n")]
+
+
+def test_mmq_launch_forms_render_only_when_asked_and_compile():
+    from moeforge.codegen.compile import compile_spec
+    from moeforge.codegen.spec import MmqSpec
+    base = MmqSpec("q4_0", x=8, y=128, warps=8, kblocks=16, stages=2, stream_k=False)
+    twin = MmqSpec("q4_0", x=8, y=128, warps=8, kblocks=16, stages=2, stream_k=False, evict_first=True, pdl=True)
+    assert twin.name == base.name + "-ef-pdl"
+    a, b = render(base), render(twin)
+    assert "griddepcontrol" not in a and "evict_first" not in a
+    body = b[b.index(twin.symbol + "("):]
+    assert body.index("griddepcontrol.wait") < body.index("load_unit(")
+    assert b.count("cp_async16_stream(") == 2          # defined once, used for the weight quants
+    for arch in ("sm_80", "sm_90"):
+        assert compile_spec(twin, arch).cubin.exists()
+
+
+def test_mmq_launch_form_streams_weights_only_when_read_once():
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import ops
+    spec = MmqSpec("q4_0", x=16, y=128, warps=4, kblocks=8, stages=2, stream_k=False)
+    assert ops.mmq_launch_form(spec, 8.0, True) == MmqSpec(**{**spec.__dict__, "evict_first": True, "pdl": True})
+    assert ops.mmq_launch_form(spec, 16.0, False).evict_first and not ops.mmq_launch_form(spec, 16.0, False).pdl
+    assert ops.mmq_launch_form(spec, 32.0, True) is spec          # rows read by two tile columns: as tuned
+    dense = MmqSpec("q4_0", x=16, y=128, warps=4, kblocks=8, stages=2, ids=False)
+    assert ops.mmq_launch_form(dense, 1.0, True) is dense

@@ -230,3 +230,34 @@ def test_routing_table_is_a_stable_sort(rng, n, top_k, E, tx):
     assert int(ntt.get()[0]) == len(want) <= max_tiles
     got = tiles.get()[:4 * len(want)].reshape(-1, 4)[:, :3]
     assert [tuple(map(int, r)) for r in got] == want
+
+
+@pytest.mark.parametrize("n", [16, 97, 512])
+def test_launch_forms_change_no_bit(rng, n, monkeypatch):
+    """PDL-chained routing + product and evict-first weight copies (ops.mmq_launch_form)
+    against the plain launches of the same tile: the same bits, also in a chain of calls
+    captured in a graph where each call's routing overlaps the end of the call before."""
+    import cupy as cp
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import dispatch, ops
+    E, top_k, m, k = 64, 6, 320, 1024
+    raw, w, x, ids, xd, idsd = _setup(rng, "q4_0", E, m, k, n, top_k, skew=True)
+    choice = dispatch.Choice("mmq_id", MmqSpec("q4_0", x=8, y=64, warps=4, kblocks=16, stages=2,
+                                               stream_k=False))
+    assert ops.mmq_launch_form(choice.spec, n * top_k / E, True).pdl
+    outs = {}
+    for forms in (False, True):
+        monkeypatch.setattr(ops, "MMQ_LAUNCH_FORMS", forms)
+        bufs = [cp.full((n, top_k, m), cp.nan, dtype=cp.float32) for _ in range(3)]
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            for b in bufs:
+                ops.run_mul_mat_id(w, xd, idsd, b, choice)
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+        outs[forms] = [b.get() for b in bufs]
+    _check(raw, "q4_0", (E, m, k), x, ids, cp.asarray(outs[True][0]))
+    for a, b in zip(outs[False], outs[True]):
+        np.testing.assert_array_equal(a, b)
