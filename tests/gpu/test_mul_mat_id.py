@@ -242,9 +242,11 @@ def test_launch_forms_change_no_bit(rng, n, monkeypatch):
     from moeforge.runtime import dispatch, ops
     E, top_k, m, k = 64, 6, 320, 1024
     raw, w, x, ids, xd, idsd = _setup(rng, "q4_0", E, m, k, n, top_k, skew=True)
-    choice = dispatch.Choice("mmq_id", MmqSpec("q4_0", x=8, y=64, warps=4, kblocks=16, stages=2,
+    tx = 8 * -(-n * top_k // (8 * E))            # tiles as wide as the tokens an expert gets
+    choice = dispatch.Choice("mmq_id", MmqSpec("q4_0", x=tx, y=64, warps=4, kblocks=16, stages=2,
                                                stream_k=False))
-    assert ops.mmq_launch_form(choice.spec, n * top_k / E, True).pdl
+    form = ops.mmq_launch_form(choice.spec, n * top_k / E, True)
+    assert form.pdl and form.evict_first
     outs = {}
     for forms in (False, True):
         monkeypatch.setattr(ops, "MMQ_LAUNCH_FORMS", forms)
