@@ -38,9 +38,9 @@ def _fused_specs(qtype, n, act, bias, sweep: bool, k: int):
         return [default]
     t = min(8, 1 << (n - 1).bit_length())
     out = [default] + [MmvqSpec(qtype, tokens=t, warps=4, rows=r, act=act, bias=bias) for r in (1, 2, 4)]
-    if n == 1:
-        out += [MmvqSpec(qtype, tokens=1, warps=4, rows=r, act=act, bias=bias, per_pair=True) for r in (1, 2, 4)]
-        out += [MmvqSpec.decode(qtype, rows=r, act=act, bias=bias) for r in (1, 2, 4)]
+    # a block per (token, slot) pair: with 128 experts a few tokens rarely share one
+    out += [MmvqSpec(qtype, tokens=1, warps=4, rows=r, act=act, bias=bias, per_pair=True) for r in (1, 2, 4)]
+    out += [MmvqSpec.decode(qtype, rows=r, act=act, bias=bias) for r in (1, 2, 4)]
     seen, uniq = set(), []
     for s in out:
         if s not in seen:

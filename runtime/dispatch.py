@@ -47,14 +47,17 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
-    """One token: the decode form (MmvqSpec.decode), a block per (token, slot) pair streaming gate and up rows,
-    x quantized once before. Two rows of each per warp for 4-bit blocks and rows of at
-    most two k-units (k <= 2048: 80 registers, one wave; four rows: 8.8 us, one: 8.8, two:
-    8.1); one row otherwise (q8_0's 32-byte blocks, gpt-oss's k=2880). H100, cold, against
-    the routing tiles: Qwen3 q4_0 9.6 -> 8.1,
-    q8_0 16.0 -> 12.7, gpt-oss q4_0 20.3 -> 16.4, q8_0 29.9 -> 26.3 us. More tokens share
-    experts: there the routing tiles (BENCHMARKS.md)."""
-    if n == 1:
+    """Up to 8 tokens: the decode form (MmvqSpec.decode), a block per (token, slot) pair
+    streaming gate and up rows, x quantized once before. Two rows of each per warp for 4-bit
+    blocks and rows of at most two k-units (k <= 2048: 80 registers, one wave at n=1); one
+    row otherwise (q8_0's 32-byte blocks, gpt-oss's k=2880). H100, cold, one call
+    (BENCHMARKS.md), against the routing tiles this replaced at n = 2..8: Qwen3 q4_0 n=2
+    18.0 -> 13.1 us, n=8 63.7 -> 39.7; gpt-oss q4_0 n=8 125.7 -> 101.4; q8_0 Qwen3 n=8 84.5
+    -> 71.9. With 128 experts (or 32 and top-4) a few tokens rarely share an expert, so
+    grouping them saves little and costs a routing launch; the one loss seen: q8_0 gpt-oss
+    at n=8, 182.8 against 169.7 us with tiles of 8. The row rule is the one-token sweep's;
+    at n >= 2 the other row counts were within 5%."""
+    if n <= MMVQ_MAX_TOKENS:
         rows = 2 if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048 else 1
         return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
