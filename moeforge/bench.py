@@ -58,6 +58,8 @@ def sweep_choices(qtype: str, shape, n: int):
                 for tt in sorted(tiles) for w in MMVQ_WARPS for r in MMVQ_ROWS]
         out += [Choice("mmvq", MmvqSpec(qtype, tokens=1, warps=w, rows=r, per_pair=True))
                 for w in MMVQ_WARPS for r in MMVQ_ROWS]
+        if n <= MMVQ_MAX_TOKENS:    # the decode form: x quantized once, streaming weights, PDL
+            out += [Choice("mmvq", MmvqSpec.decode(qtype, ids=True, rows=r)) for r in MMVQ_ROWS]
     per = n * top_k / E
     xs = [x for x in MMQ_X if per / 4 <= x <= max(8, per * 2)] or [8]
     out += [Choice("mmq_id", MmqSpec(qtype, x=x, y=y, warps=w, kblocks=kb, stages=s, stream_k=sk))

@@ -36,14 +36,14 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
 
 
 def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
-    """A block per (token, slot) pair, no routing launch: with 128 experts a decode batch
-    rarely shares one, so grouping saves little (H100 sweep, BENCHMARKS.md). One token: the
-    decode form (MmvqSpec.decode): x quantized by a launch just before (once, not in every
-    block), the weights streamed (evict-first) and the product launched with PDL, so that its
-    blocks request their expert ids and weights while x is being quantized."""
-    if n == 1:
-        return MmvqSpec.decode(qtype, ids=ids)
-    return MmvqSpec(qtype, tokens=1, warps=4, rows=4, ids=ids, per_pair=True)
+    """The decode form (MmvqSpec.decode) up to 8 tokens: a block per (token, slot) pair, no
+    routing launch (with 128 experts a few tokens rarely share one, so grouping saves
+    little); x quantized once by the launch just before, the weights streamed (evict-first),
+    the product launched with PDL so that its blocks request their expert ids and weights
+    while x is being quantized. H100, one call, hot (BENCHMARKS.md), against what the shipped
+    profile had chosen before the form existed: Qwen3 q4_0 gate n=4 12.2 -> 9.6 us, n=8 23.1
+    -> 19.4; its down product n=8 42.5 -> 21.3; q8_0 n=8 37.6 -> 33.8."""
+    return MmvqSpec.decode(qtype, ids=ids)
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
