@@ -107,7 +107,8 @@ class MmqSpec(KernelSpec):
     should leave L2 before the activations). pdl: the kernel waits for the grid before it on
     the device first thing and is launched with programmatic dependent launch (sm_90+). Both
     are launch forms the runtime applies to a tuned tile (runtime.ops.mmq_launch_form); off,
-    the source is the one the shipped profiles were tuned with.
+    the source is the one the shipped profiles were tuned with. direct: one block per (expert,
+    row tile) finds the expert's tokens in ids itself: no routing launch (small batches).
     """
     family: ClassVar[str] = "mmq"
     template: ClassVar[str] = "mmq.cu.j2"
@@ -121,6 +122,7 @@ class MmqSpec(KernelSpec):
     stream_k: bool = True
     evict_first: bool = False
     pdl: bool = False
+    direct: bool = False
 
     @property
     def quant(self) -> QuantType:
@@ -132,7 +134,8 @@ class MmqSpec(KernelSpec):
         sk = "-sk" if self.stream_k else ""
         ef = "-ef" if self.evict_first else ""
         pdl = "-pdl" if self.pdl else ""
-        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}{sk}{ef}{pdl}"
+        dr = "-dr" if self.direct else ""
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}{sk}{ef}{pdl}{dr}"
 
     @property
     def threads(self) -> int:
@@ -152,6 +155,10 @@ class MmqSpec(KernelSpec):
             raise ValueError(f"{self.name}: a stage spans more than 1024 values")
         if self.stages not in (2, 3, 4):
             raise ValueError(f"{self.name}: stages must be 2, 3 or 4")
+        if self.direct and not self.ids:
+            raise ValueError(f"{self.name}: direct routing belongs to MUL_MAT_ID")
+        if self.direct and self.stream_k:
+            raise ValueError(f"{self.name}: direct routing takes whole tiles, not stream-k")
 
     # Shared-memory layout of one pipeline stage. Rows are padded by 16 bytes so that the
     # 8 rows a warp reads at once fall in different banks; every region stays 16-byte

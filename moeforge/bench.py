@@ -161,7 +161,7 @@ def _launched(choice, n: int, top_k: int, E: int, info: dict) -> str:
         return choice.spec.name
     from .runtime.launch_ex import pdl_available
     from .runtime.ops import mmq_launch_form
-    return mmq_launch_form(choice.spec, n * top_k / E, pdl_available(info["cc"])).name
+    return mmq_launch_form(choice.spec, n * top_k, E, pdl_available(info["cc"])).name
 
 
 def best_rows(rows: list) -> list:

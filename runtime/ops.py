@@ -149,7 +149,8 @@ def _prepare(ids, E: int, tile_x: int, x2d, pdl: bool = False):
 
 def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr: int, m: int,
          rows, tiles, ntt, max_tiles: int, n_dense: int, x_div: int, xq_ptr=None, xds_ptr=None):
-    """One MMQ launch (and its stream-k fixup). Dense when rows/tiles are None."""
+    """One MMQ launch (and its stream-k fixup). Dense when rows/tiles are None. Direct
+    routing (spec.direct): rows is ids, max_tiles the column slots, n_dense the entry count."""
     kern = load(spec)
     info = device_info(require_gpu().cuda.Device().id)
     n_mt = -(-m // spec.y)
@@ -215,19 +216,34 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
 MMQ_LAUNCH_FORMS = True     # tests compare against the plain launches
 
 
-def mmq_launch_form(spec: MmqSpec, tokens_per_expert: float, pdl: bool) -> MmqSpec:
-    """How a MUL_MAT_ID tile chosen by a profile or the defaults is launched here. Where each
-    expert's rows are read by one column of tiles (on average at most x tokens each), the
-    product streams its weights once and launch gaps are a good part of its time: the weight
-    copies then carry an L2 evict-first policy, and the routing launch and the product are
-    chained with PDL where the card has it (each waits on the device for the kernel before).
-    Same tile, same arithmetic, same bits. H100, same call (BENCHMARKS.md), hot: q4_0 Qwen3
-    shape n=16 37.8 -> 36.0 us, 256: 93.3 -> 89.9, 512: 128.2 -> 125.0; q8_0 n=16 62.4 ->
-    58.8. Where tiles re-read weights (n >= 1024 there) PDL alone cost 2-3% (n=2048, 4096),
-    so those launch as tuned. The tuner times its candidates through this too."""
+# Direct routing pays off while experts get at most this many tokens each on average
+# (below, the routing launch it saves and the weights it requests before the wait for x
+# outweigh a block per expert, used or not).
+DIRECT_MAX_TOKENS_PER_EXPERT = 2
+
+
+def mmq_launch_form(spec: MmqSpec, entries: int, experts: int, pdl: bool) -> MmqSpec:
+    """How a MUL_MAT_ID tile chosen by a profile or the defaults is launched here, for
+    `entries` (token, expert) pairs over `experts` experts. Where each expert's rows are read
+    by one column of tiles (on average at most x tokens each), the product streams its
+    weights once and launch gaps are a good part of its time: the weight copies then carry
+    an L2 evict-first policy, and the routing launch and the product are chained with PDL
+    where the card has it (each waits on the device for the kernel before). Same tile, same
+    arithmetic, same bits. H100, same call (BENCHMARKS.md), hot: q4_0 Qwen3 shape n=16
+    37.8 -> 36.0 us, 256: 93.3 -> 89.9, 512: 128.2 -> 125.0; q8_0 n=16 62.4 -> 58.8. Where
+    tiles re-read weights (n >= 1024 there) PDL alone cost 2-3% (n=2048, 4096), so those
+    launch as tuned. The tuner times its candidates through this too.
+
+    With PDL and at most DIRECT_MAX_TOKENS_PER_EXPERT tokens per expert, the tile also routes
+    itself (MmqSpec.direct): no routing launch, weights requested before the wait. H100,
+    same call, hot, random / skewed routing: q4_0 n=16 36.2 -> 34.3 / 29.3 -> 30.0, n=32
+    47.2 -> 45.4 / 42.9 -> 41.8; at n=64 and past it, it lost (skewed routing)."""
+    tokens_per_expert = entries / experts
     if not MMQ_LAUNCH_FORMS or not spec.ids or tokens_per_expert > spec.x:
         return spec
-    return dataclasses.replace(spec, evict_first=True, pdl=spec.pdl or pdl)
+    direct = (pdl and not spec.stream_k and tokens_per_expert <= DIRECT_MAX_TOKENS_PER_EXPERT
+              and 4 * experts <= spec.smem_bytes())  # the extra-column search counts in shared memory
+    return dataclasses.replace(spec, evict_first=True, pdl=spec.pdl or pdl, direct=spec.direct or direct)
 
 
 def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights=None) -> None:
@@ -242,9 +258,15 @@ def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights
         _mmvq(spec, w, x2d, ids, x_div, out, m, entry_scale=weights)
         return
     elif choice.path == "mmq_id":
-        spec = mmq_launch_form(spec, n * top_k / E, pdl_available(device_info(w.buffer.device.id)["cc"]))
-        (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d, spec.pdl)
-        _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, rows, tiles, ntt, max_tiles, 0, x_div)
+        spec = mmq_launch_form(spec, n * top_k, E, pdl_available(device_info(w.buffer.device.id)["cc"]))
+        if spec.direct:
+            # one block per (expert, row tile) reads ids itself: only x is prepared
+            xq, xds, nbp = quantize_activations(x2d, spec.pdl)
+            slots = (ids.size - 1) // spec.x + E  # experts' extra columns, then every expert's first
+            _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, ids, None, None, slots, ids.size, x_div)
+        else:
+            (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d, spec.pdl)
+            _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, rows, tiles, ntt, max_tiles, 0, x_div)
     elif choice.path == "per_expert":
         _per_expert(spec, w, x2d, ids, x_div, out)
     else:

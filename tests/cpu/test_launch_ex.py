@@ -147,8 +147,42 @@ def test_mmq_launch_form_streams_weights_only_when_read_once():
     from moeforge.codegen.spec import MmqSpec
     from moeforge.runtime import ops
     spec = MmqSpec("q4_0", x=16, y=128, warps=4, kblocks=8, stages=2, stream_k=False)
-    assert ops.mmq_launch_form(spec, 8.0, True) == MmqSpec(**{**spec.__dict__, "evict_first": True, "pdl": True})
-    assert ops.mmq_launch_form(spec, 16.0, False).evict_first and not ops.mmq_launch_form(spec, 16.0, False).pdl
-    assert ops.mmq_launch_form(spec, 32.0, True) is spec          # rows read by two tile columns: as tuned
+    E = 128
+    assert ops.mmq_launch_form(spec, 8 * E, E, True) == MmqSpec(**{**spec.__dict__, "evict_first": True, "pdl": True})
+    assert ops.mmq_launch_form(spec, 16 * E, E, False).evict_first and not ops.mmq_launch_form(spec, 16 * E, E, False).pdl
+    assert ops.mmq_launch_form(spec, 32 * E, E, True) is spec          # rows read by two tile columns: as tuned
     dense = MmqSpec("q4_0", x=16, y=128, warps=4, kblocks=8, stages=2, ids=False)
-    assert ops.mmq_launch_form(dense, 1.0, True) is dense
+    assert ops.mmq_launch_form(dense, E, E, True) is dense
+
+
+def test_mmq_launch_form_routes_in_the_tile_only_for_few_tokens_per_expert_with_pdl():
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import ops
+    spec = MmqSpec("q4_0", x=8, y=128, warps=4, kblocks=8, stages=2, stream_k=False)
+    E = 128
+    assert ops.mmq_launch_form(spec, 16 * 8, E, True).direct               # n=16, top_k=8: 1 token each
+    assert ops.mmq_launch_form(spec, 32 * 8, E, True).direct               # 2 each
+    assert not ops.mmq_launch_form(spec, 64 * 8, E, True).direct           # 4 each: lost to skew
+    assert not ops.mmq_launch_form(spec, 16 * 8, E, False).direct          # no PDL: nothing to overlap
+    sk = MmqSpec("q4_0", x=8, y=128, warps=4, kblocks=8, stages=2, stream_k=True)
+    assert not ops.mmq_launch_form(sk, 16 * 8, E, True).direct             # stream-k splits tiles
+    huge = 1 + spec.smem_bytes() // 4                                      # no room to count experts
+    assert not ops.mmq_launch_form(spec, huge, huge, True).direct
+
+
+def test_direct_routing_renders_only_when_asked_and_compiles():
+    from moeforge.codegen.compile import compile_spec
+    from moeforge.codegen.spec import MmqSpec
+    base = MmqSpec("q4_0", x=8, y=128, warps=4, kblocks=8, stages=2, stream_k=False, evict_first=True, pdl=True)
+    direct = MmqSpec(**{**base.__dict__, "direct": True})
+    assert direct.name == base.name + "-dr"
+    assert "expert_column" not in render(base)
+    body = render(direct)[render(direct).index(direct.symbol + "("):]
+    # the early weight copies go before the wait, the activations after it
+    assert body.index("load_unit_w(") < body.index("griddepcontrol.wait") < body.index("load_unit_x(")
+    for arch in ("sm_80", "sm_90"):
+        assert compile_spec(direct, arch).cubin.exists()
+    with pytest.raises(ValueError, match="stream-k"):
+        MmqSpec("q4_0", x=8, y=128, warps=4, stream_k=True, direct=True).check()
+    with pytest.raises(ValueError, match="MUL_MAT_ID"):
+        MmqSpec("q4_0", x=8, y=128, warps=4, stream_k=False, ids=False, direct=True).check()

@@ -122,6 +122,16 @@ def test_shipped_profiles_are_valid_named_and_hashed():
             assert all(e.extra["kernel"] == source_hash(e.spec) for e in p.entries.values()), path.name
 
 
+def test_shipped_profile_kernels_still_render_as_tuned():
+    """A template change must leave the source of every shipped entry as it was timed (new
+    features behind spec fields that are off by default); otherwise the entry silently stops
+    being used and the card falls back to defaults: re-tune and ship the profile then."""
+    for path in paths.shipped_profiles():
+        p = pm.load(path)
+        stale = [e.spec.name for e in p.entries.values() if e.extra["kernel"] != source_hash(e.spec)]
+        assert not stale, f"{path.name}: {len(stale)} entries no longer match their kernel, e.g. {stale[:3]}"
+
+
 def test_other_templates_with_every_kernel_verified_are_used_silently(tmp_path):
     made = pm.save(hashed(), tmp_path / "p.yaml")
     said = []

@@ -1,4 +1,6 @@
 """MUL_MAT_ID on the GPU, every path against both references (pytest -m gpu)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -245,7 +247,7 @@ def test_launch_forms_change_no_bit(rng, n, monkeypatch):
     tx = 8 * -(-n * top_k // (8 * E))            # tiles as wide as the tokens an expert gets
     choice = dispatch.Choice("mmq_id", MmqSpec("q4_0", x=tx, y=64, warps=4, kblocks=16, stages=2,
                                                stream_k=False))
-    form = ops.mmq_launch_form(choice.spec, n * top_k / E, True)
+    form = ops.mmq_launch_form(choice.spec, n * top_k, E, True)
     assert form.pdl and form.evict_first
     outs = {}
     for forms in (False, True):
@@ -263,3 +265,43 @@ def test_launch_forms_change_no_bit(rng, n, monkeypatch):
     _check(raw, "q4_0", (E, m, k), x, ids, cp.asarray(outs[True][0]))
     for a, b in zip(outs[False], outs[True]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("E,top_k,m,k,n,tx,stages,per_slot", [
+    (64, 6, 320, 1024, 16, 8, 2, False), (128, 8, 200, 512, 11, 8, 3, True),
+    (32, 4, 136, 288, 97, 16, 2, False), (8, 2, 72, 160, 300, 32, 4, True),
+])
+def test_direct_routing_changes_no_bit(rng, qtype, E, top_k, m, k, n, tx, stages, per_slot,
+                                                        monkeypatch):
+    """Direct routing (each block finds its (expert, column) in ids itself; an expert with
+    more tokens than a tile has extra columns; experts with none have no block at work),
+    plain and PDL-launched in a captured chain: the bits of the routed launch of the tile."""
+    import cupy as cp
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import dispatch, ops
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, per_slot=per_slot, skew=True)
+    for row in ids[:tx + 1]:  # expert 0 spans two columns or more
+        if 0 not in row:
+            row[0] = 0
+    idsd = cp.asarray(ids)
+    monkeypatch.setattr(ops, "MMQ_LAUNCH_FORMS", False)  # each form exactly as written here
+    base = MmqSpec(qtype, x=tx, y=64, warps=2, kblocks=8, stages=stages, stream_k=False)
+    forms = {"plain": base, "direct": dataclasses.replace(base, direct=True),
+             "direct-ef-pdl": dataclasses.replace(base, direct=True, pdl=True, evict_first=True)}
+    outs = {}
+    for name, spec in forms.items():
+        bufs = [cp.full((n, top_k, m), cp.nan, dtype=cp.float32) for _ in range(2)]
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            for b in bufs:
+                ops.run_mul_mat_id(w, xd, idsd, b, dispatch.Choice("mmq_id", spec))
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+        outs[name] = [b.get() for b in bufs]
+    _check(raw, qtype, (E, m, k), x, ids, cp.asarray(outs["plain"][0]))
+    for name in ("direct", "direct-ef-pdl"):
+        for a, b in zip(outs["plain"], outs[name]):
+            np.testing.assert_array_equal(a, b, err_msg=name)
