@@ -21,6 +21,18 @@ def _weights(rng, qtype, E, n_ff, k, merged):
                         up=moeforge.QuantTensor.from_blocks(ru, qtype, (E, n_ff, k)))
 
 
+def _check_float(got, emu, flt):
+    """ggml's bar against float64. With a handful of outputs (one token, top_k 1, a narrow
+    expert: 40 values) the statistic has a long tail: a draw in several hundred puts the
+    activation quantization alone (emu, which the kernel matches to 1e-10) past 5e-4 (seed
+    154741471: 1.3e-3). There the bar is what that quantization gives, and it must itself
+    stay within 5x ggml's bar."""
+    e = ref.nmse(got, flt)
+    if e > NMSE_FLOAT:
+        e_q = ref.nmse(emu, flt)
+        assert e_q <= 5 * NMSE_FLOAT and e <= 1.01 * e_q, f"NMSE vs float64 {e:.3e}, quantization alone {e_q:.3e}"
+
+
 def _expected(qtype, E, n_ff, k, rg, ru, x, ids, act, bg, bu, emulated):
     def prod(raw, rows):
         if emulated:
@@ -64,7 +76,7 @@ def test_moe_gate_up(rng, qtype, act, bias, merged, n):
         got = out.get()
         assert np.isfinite(got).all()
         assert ref.nmse(got, emu) <= NMSE_EMULATED, (spec, ref.nmse(got, emu))
-        assert ref.nmse(got, flt) <= NMSE_FLOAT
+        _check_float(got, emu, flt)
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
