@@ -182,7 +182,8 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
           bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None, x_q8=None):
     """Mat-vec launch after one preparing launch: with ids, routing into tiles of at most
     spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only.
-    x_q8 (xq, xds, nbp): x already quantized by an earlier kernel, for a prequant spec."""
+    x_q8 (xq, xds, nbp): x already quantized by an earlier kernel; only a prequant spec
+    reads it (the others quantize x themselves)."""
     kern = load(spec)
     if spec.per_pair:
         # the kernel quantizes its x row itself, or reads the rows quantized before
@@ -334,7 +335,7 @@ def run_mul_mat(w: QuantTensor, x, out, choice: dispatch.Choice, x_q8=None) -> N
     m, k = w.shape
     n = x.shape[0]
     if choice.path == "mmvq":
-        _mmvq(choice.spec, w, x, None, 1, out, m, x_q8=x_q8 if choice.spec.prequant else None)
+        _mmvq(choice.spec, w, x, None, 1, out, m, x_q8=x_q8)
     elif choice.path == "mmq":
         xq, xds, nbp = quantize_activations(x)
         _mmq(choice.spec, w, 0, xq, xds, nbp, out.data.ptr, m, None, None, None,

@@ -13,6 +13,16 @@ pytestmark = pytest.mark.gpu
 FIXTURES = ["f32", "f16", "q8_0", "q4_0", "q4_0-tied"]
 
 
+def _decode_logits(fx, toks, **backend):
+    """Logits of decoding toks one at a time on the CUDA backend with the given settings,
+    and the model (its backend's state is what some tests look at)."""
+    m = load_model(fx["path"], backend="cuda")
+    for name, value in backend.items():
+        setattr(m.backend, name, value)
+    m.reset(len(toks))
+    return np.concatenate([m.eval([t]) for t in toks]), m
+
+
 @pytest.mark.parametrize("name", FIXTURES)
 def test_cuda_matches_llama_cpp(parity_models, name):
     """The issue's bar: the same top-1 token at every position, mean KL per token < 1e-3."""
@@ -71,12 +81,7 @@ def test_decode_steps_match_prefill(parity_models, name):
 def test_graph_replay_equals_eager_decode(parity_models):
     fx = parity_models["q4_0"]
     toks = fx["tokens"][:24]
-    outs = []
-    for graphs in (True, False):
-        m = load_model(fx["path"], backend="cuda")
-        m.backend.use_graphs = graphs
-        m.reset(len(toks))
-        outs.append(np.concatenate([m.eval([t]) for t in toks]))
+    outs = [_decode_logits(fx, toks, use_graphs=graphs)[0] for graphs in (True, False)]
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
@@ -295,10 +300,8 @@ def test_norms_quantizing_their_output_change_no_bit(parity_models):
     toks = fx["tokens"][:16]
     outs = []
     for fused in (True, False):
-        m = load_model(fx["path"], backend="cuda")
-        m.backend.fuse_norm_q8 = fused
-        m.reset(len(toks))
-        outs.append(np.concatenate([m.eval([t]) for t in toks]))
+        logits, m = _decode_logits(fx, toks, fuse_norm_q8=fused)
+        outs.append(logits)
         assert m.backend._graph is not None
         assert (m.backend._q8 is not None) == fused      # the last norm of the step wrote one
     np.testing.assert_array_equal(outs[0], outs[1])
