@@ -191,13 +191,18 @@ def print_table(rows: list, info: dict, bw_gbs: float, out=sys.stdout) -> None:
 def main(args) -> int:
     from .codegen.quant import parse_types
     from .runtime.device import device_info, has_gpu
+    from .tuning.shapes import parse_shape
     from .tuning.timing import copy_bandwidth_gbs
+    try:  # bad arguments are reported before anything needs a GPU
+        shapes = [parse_shape(s) for s in args.shape] if args.shape else ANCHOR_SHAPES
+    except ValueError as e:
+        print(f"moeforge bench: {e}", file=sys.stderr)
+        return 2
     if not has_gpu():
         print("moeforge bench: no CUDA device found; benchmarks need a GPU", file=sys.stderr)
         return 2
     info = device_info()
     bw = copy_bandwidth_gbs()
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape else ANCHOR_SHAPES
     rng = np.random.default_rng()
     rows: list = []
     ops = args.ops.split(",")

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time MUL_MAT_ID on the anchor shapes (needs a GPU)")
     b.add_argument("--types", default="q4_0,q8_0")
     b.add_argument("--shape", action="append", default=None,
-                   help="E,top_k,m,k (repeatable; default: the anchor shapes)")
+                   help="qwen3-30b-a3b, deepseek-v2-lite, gpt-oss-20b or E,top_k,m,k (repeatable; "
+                        "default: the anchor shapes)")
     b.add_argument("--n", default=None, help="token counts, comma separated")
     b.add_argument("--paths", default="default",
                    help="'default', 'all', 'sweep' (many specs, best shown), or a list of mmvq,mmq_id,per_expert")

@@ -12,6 +12,13 @@ def test_bench_without_gpu_says_so():
     assert "no CUDA device" in r.stderr
 
 
+def test_bench_names_a_bad_shape_before_it_looks_for_a_gpu():
+    r = _moeforge("bench", "--shape", "qwen9-moe", "--n", "1")
+    assert r.returncode == 2 and "qwen9-moe" in r.stderr and "E,top_k,m,k" in r.stderr
+    r = _moeforge("bench", "--shape", "qwen3-30b-a3b", "--shape", "32,4,2880,2880", "--n", "1")
+    assert r.returncode == 2 and "no CUDA device" in r.stderr      # the names parse
+
+
 def test_generate_rejects_unknown_arch_and_type():
     r = _moeforge("generate", "--arch", "sm_99")
     assert r.returncode == 2 and "sm_99" in r.stderr
