@@ -17,7 +17,6 @@ time each call.
 from __future__ import annotations
 
 import contextlib
-
 import time
 from collections import defaultdict
 from dataclasses import dataclass
