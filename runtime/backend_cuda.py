@@ -59,6 +59,7 @@ class CudaBackend(Backend):
         self._decoding = False       # inside decode_step: model kernels launch with PDL
         self.fuse_norm_q8 = True     # at decode the norms also write their output's q8_1
         self._q8 = None              # (output pointer, xq, xds, nbp) of the last such norm
+        self._waited_ids = None      # (ids pointer, output pointer) of the last expert gate/up
 
     def context(self):
         return self.stream
@@ -149,18 +150,18 @@ class CudaBackend(Backend):
                 tokens, out, _i32(k)))
         return out
 
-    def _norm_q8(self, out):
-        """The last three arguments of a norm kernel. In the decode step a norm's one output
-        row is also written as q8_1 (model.cu.j2, norm_out), bit for bit what the quantizer
-        would make of it, for the one-token product that reads it next: that product then
-        needs no quantizing launch (matmul, expert_gate_up)."""
+    def _norm_q8(self, out, writer: str = "norm", ok: bool = True):
+        """The last three arguments of a norm kernel (and of decode attention). In the decode
+        step a norm's one output row is also written as q8_1 (model.cu.j2, norm_out), bit for
+        bit what the quantizer would make of it, for the one-token product that reads it
+        next: that product then needs no quantizing launch (matmul, expert_gate_up)."""
         d = out.shape[-1]
-        if not (self._decoding and self.fuse_norm_q8 and out.shape[0] == 1 and d % 32 == 0):
+        if not (ok and self._decoding and self.fuse_norm_q8 and out.shape[0] == 1 and d % 32 == 0):
             self._q8 = None
             return _NULL, _NULL, _i32(0)
         nbp = ops.q8_1_blocks_padded(d)
-        xq = self.ws("norm_xq", (1, d), np.int8)
-        xds = self.ws("norm_xds", (1, nbp, 2))
+        xq = self.ws(f"{writer}_xq", (1, d), np.int8)
+        xds = self.ws(f"{writer}_xds", (1, nbp, 2))
         self._q8 = (out.data.ptr, xq, xds, nbp)
         return xq, xds, _i32(nbp)
 
@@ -219,7 +220,7 @@ class CudaBackend(Backend):
             scores = self.ws("scores", (hp.n_head, cache.n_ctx))
             self.kernel("attn_decode")((hp.n_head,), (1024,), (
                 q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
-                _i32(hp.head_dim), _f32(scale)))
+                _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0)))
             return out
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
         g = hp.n_head // hkv
@@ -255,7 +256,12 @@ class CudaBackend(Backend):
         E, m, k = w.shape
         out = self.ws(name, (n, top_k, m))
         if w.q is not None:
-            ops.run_mul_mat_id(w.q, x, ids, out, dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n))
+            # the down product right after the expert gate/up, whose launch waited for the
+            # router: its quantizer may release the product at once (ops._mmvq)
+            settled = self._waited_ids == (ids.data.ptr, x.data.ptr)
+            self._waited_ids = None
+            ops.run_mul_mat_id(w.q, x, ids, out, dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n),
+                               ids_settled=settled)
             return out
         # float experts: test models only (a warp per output, no tensor cores)
         x_div = top_k if x.ndim == 2 else 1
@@ -274,7 +280,11 @@ class CudaBackend(Backend):
         o = Operands(x, w.q if L.gate_up is not None else None, L.gate.q if L.gate is not None else None,
                      L.up.q if L.up is not None else None, None, None, experts=True)
         out = self.ws(name, (n, top_k, o.n_ff))
-        run_moe_gate_up(o, ids, out, "silu", x_q8=self._q8_of(x))
+        q8 = self._q8_of(x)
+        run_moe_gate_up(o, ids, out, "silu", x_q8=q8)
+        # with x quantized before, its launch is the wait-first form (or an ordinary one):
+        # it passed its wait for the router before any kernel after it could launch
+        self._waited_ids = (ids.data.ptr, out.data.ptr) if q8 is not None else None
         return out
 
     def route_tokens(self, router, x, top_k, scale):

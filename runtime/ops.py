@@ -118,13 +118,17 @@ def _aligned(x2d):
     return x2d if x2d.data.ptr % 16 == 0 else x2d.copy()
 
 
-def quantize_activations(x2d, pdl: bool = False):
+def quantize_activations(x2d, pdl: bool = False, release_first: bool = False):
     """float32 (rows, k) -> q8_1 (xq int8 (rows, k), xds float32 (rows, nbp, 2), nbp).
     pdl: launched with PDL (the kernel waits for x's writer on the device first), as the
-    one-token products after it are: the chain of a decode step has no launch gaps."""
+    one-token products after it are: the chain of a decode step has no launch gaps.
+    release_first: the product after it may launch before this kernel's wait, because it
+    reads nothing before its own wait that a kernel in flight could still be writing
+    (weights only, or expert ids settled earlier: see _mmvq)."""
     rows, k = x2d.shape
     xq, xds, nbp = _x_buffers(rows, k)
-    _util("quantize_q8_1")((-(-rows * nbp // 64),), (_aligned(x2d), xq, xds, _i32(rows), _i32(k), _i32(nbp)),
+    _util("quantize_q8_1")((-(-rows * nbp // 64),), (_aligned(x2d), xq, xds, _i32(rows), _i32(k), _i32(nbp),
+                                                      _i32(int(release_first))),
                            block=512, pdl=pdl)
     return xq, xds, nbp
 
@@ -179,17 +183,21 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
 
 def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
           up: QuantTensor | None = None, up_off: int = 0, rows_e: int | None = None,
-          bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None, x_q8=None):
+          bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None, x_q8=None,
+          ids_settled: bool = False):
     """Mat-vec launch after one preparing launch: with ids, routing into tiles of at most
     spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only.
     x_q8 (xq, xds, nbp): x already quantized by an earlier kernel; only a prequant spec
-    reads it (the others quantize x themselves)."""
+    reads it (the others quantize x themselves). ids_settled: the kernel launched last
+    waited for the writer of ids to end before it released its dependents (the model's
+    expert gate/up after the router), so a prequant product may launch with its quantizer."""
     kern = load(spec)
     if spec.per_pair:
         # the kernel quantizes its x row itself, or reads the rows quantized before
         # (prequant); the "rows" argument carries the ids
         if spec.prequant:
-            xq, xds, nbp = x_q8 if x_q8 is not None else quantize_activations(x2d, spec.pdl)
+            early = spec.pdl and (ids is None or ids_settled)
+            xq, xds, nbp = x_q8 if x_q8 is not None else quantize_activations(x2d, spec.pdl, early)
         else:
             xq, xds, nbp = _aligned(x2d), None, 0
         rows, tiles, ntt, n_dense = ids, None, None, 0
@@ -247,16 +255,18 @@ def mmq_launch_form(spec: MmqSpec, entries: int, experts: int, pdl: bool) -> Mmq
     return dataclasses.replace(spec, evict_first=True, pdl=spec.pdl or pdl, direct=spec.direct or direct)
 
 
-def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights=None) -> None:
+def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights=None,
+                   ids_settled: bool = False) -> None:
     """No validation: callers (mul_mat_id, the model runtime, the tuner) have done it.
-    weights (n, top_k) float32, optional: each entry's row is multiplied by its weight."""
+    weights (n, top_k) float32, optional: each entry's row is multiplied by its weight.
+    ids_settled: see _mmvq."""
     E, m, k = w.shape
     n, top_k = ids.shape
     x_div = top_k if x.ndim == 2 else 1
     x2d = x.reshape(-1, k)
     spec = choice.spec
     if choice.path == "mmvq":
-        _mmvq(spec, w, x2d, ids, x_div, out, m, entry_scale=weights)
+        _mmvq(spec, w, x2d, ids, x_div, out, m, entry_scale=weights, ids_settled=ids_settled)
         return
     elif choice.path == "mmq_id":
         spec = mmq_launch_form(spec, n * top_k, E, pdl_available(device_info(w.buffer.device.id)["cc"]))

@@ -293,9 +293,10 @@ def test_pdl_launches_change_no_bit_of_the_decode(parity_models, tmp_path):
 
 
 def test_norms_quantizing_their_output_change_no_bit(parity_models):
-    """In the decode step the norms also write q8_1 of their output and the products after
-    them skip their quantizing launch (the expert one then waits for the router before it
-    reads the ids): the logits must be those of the separate quantizing launches."""
+    """In the decode step the norms and attention also write q8_1 of their output and the
+    products after them skip their quantizing launch (the expert one then waits for the
+    router before it reads the ids, and the down product's quantizer releases it at once):
+    the logits must be those of the separate quantizing launches."""
     fx = parity_models["q4_0"]
     toks = fx["tokens"][:16]
     outs = []
