@@ -57,7 +57,7 @@ class CudaBackend(Backend):
         self._step_in = None
         self._counter = None
         self._decoding = False       # inside decode_step: model kernels launch with PDL
-        self.fuse_norm_q8 = True     # at decode the norms also write their output's q8_1
+        self.fuse_norm_q8 = True     # at decode the norms and attention also write q8_1 of their output
         self._q8 = None              # (output pointer, xq, xds, nbp) of the last such norm
         self._waited_ids = None      # (ids pointer, output pointer) of the last expert gate/up
 

@@ -138,6 +138,15 @@ def test_wait_first_waits_before_the_expert_ids():
         MmvqSpec("q4_0", tokens=1, per_pair=True, prequant=True, wait_first=True).check()
 
 
+def test_quantizer_releases_first_only_when_asked():
+    """release_first lets the product launch before the quantizer's wait: only for products
+    that read nothing but weights (or settled ids) before their own wait (ops._mmvq)."""
+    from moeforge.codegen.spec import UtilSpec
+    body = _kernels(render(UtilSpec()))["quantize_q8_1"]
+    early = body.index("if (release_first) asm volatile(\"griddepcontrol.launch_dependents;\");")
+    assert early < body.index("pdl_wait_then_release();") < body.index("quantize_block8(")
+
+
 def test_norms_can_write_their_output_quantized():
     from moeforge.codegen.spec import ModelSpec
     src = render(ModelSpec())
