@@ -60,6 +60,8 @@ class CudaBackend(Backend):
         self.fuse_norm_q8 = True     # at decode the norms and attention also write q8_1 of their output
         self._q8 = None              # (output pointer, xq, xds, nbp) of the last such norm
         self._waited_ids = None      # (ids pointer, output pointer) of the last expert gate/up
+        self.fuse_qk_rope = True     # at decode attention normalises, rotates and stores q and k itself
+        self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
 
     def context(self):
         return self.stream
@@ -194,6 +196,11 @@ class CudaBackend(Backend):
     def qk_norm_rope_store_(self, cache, il, q, k, v, L, pos, pos0):
         hp = self.hp
         n = q.shape[0]
+        if n == 1 and self._decoding and self.fuse_qk_rope and hp.head_dim <= ModelSpec().max_head_dim:
+            # the decode attention right after does it (model.cu.j2, attn_decode): one launch less
+            self._pending_qk = (q.data.ptr, k, v, L.q_norm, L.k_norm)
+            return
+        self._pending_qk = None
         self.kernel("qk_norm_rope_store")((hp.n_head + hp.n_head_kv, n), (max(32, 32 * -(-hp.head_dim // 64)),), (
             q, k, v, L.q_norm, L.k_norm, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv),
             _i32(hp.head_dim), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base))))
@@ -218,9 +225,14 @@ class CudaBackend(Backend):
         if n == 1:   # the decode step: the number of cached positions is read on the device
             out = self.ws(name, (1, hp.q_dim))
             scores = self.ws("scores", (hp.n_head, cache.n_ctx))
+            pend, self._pending_qk = self._pending_qk, None
+            if pend is not None and pend[0] == q.data.ptr:
+                fused = (*pend[1:], _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)))
+            else:
+                fused = (_NULL, _NULL, _NULL, _NULL, _f32(0.0), _f32(0.0))
             self.kernel("attn_decode")((hp.n_head,), (1024,), (
                 q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
-                _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0)))
+                _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
             return out
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
         g = hp.n_head // hkv

@@ -292,6 +292,20 @@ def test_pdl_launches_change_no_bit_of_the_decode(parity_models, tmp_path):
     np.testing.assert_array_equal(got, np.load(tmp_path / "off.npy"))
 
 
+def test_attention_taking_over_qk_norm_rope_changes_no_bit(parity_models):
+    """At decode the attention kernel normalises and rotates q and the current key itself
+    and stores the key and value rows (no qk_norm_rope_store launch): the logits of every
+    step, which read the rows earlier steps stored, must be those of the separate launch."""
+    fx = parity_models["q4_0"]
+    toks = fx["tokens"][:16]
+    outs = []
+    for fused in (True, False):
+        logits, m = _decode_logits(fx, toks, fuse_qk_rope=fused)
+        outs.append(logits)
+        assert m.backend._graph is not None and np.isfinite(logits).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_norms_quantizing_their_output_change_no_bit(parity_models):
     """In the decode step the norms and attention also write q8_1 of their output and the
     products after them skip their quantizing launch (the expert one then waits for the
