@@ -2,6 +2,7 @@
 space (the tuner may only choose what was generated)."""
 from __future__ import annotations
 
+import dataclasses
 from itertools import product
 
 from .quant import QuantType
@@ -45,6 +46,8 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
         # the model's expert gate/up after the router, x quantized by the norm before it
         out += [MmvqSpec.decode(q.name, rows=rows, act=act, bias=bias, wait_first=True)
                 for act, bias in product(MmvqSpec.ACTS, (False, True))]
+    # the model's down product adding its experts' weighted sum to the residual (top_k <= warps)
+    out += [dataclasses.replace(MmvqSpec.decode(q.name), warps=w, combine=True) for w in (1, 2, 4, 8)]
     return out
 
 

@@ -199,6 +199,9 @@ class MmvqSpec(KernelSpec):
     block; with pdl the blocks request their weights first and wait for x after.
     wait_first (prequant, pdl): x was quantized by an earlier kernel (the model's norms) and
     the kernel just before wrote the expert ids (the router): wait first, then request.
+    combine (per-pair, ids, plain product): block (x, t) computes rows of all of token t's
+    slots (warp j: slot j, top_k <= warps) and adds their weighted sum to the residual row
+    instead of writing the slots' outputs (the model's down product at decode).
     All off by default, which renders the source the shipped profiles were tuned with.
     """
     family: ClassVar[str] = "mmvq"
@@ -215,6 +218,7 @@ class MmvqSpec(KernelSpec):
     pdl: bool = False
     prequant: bool = False
     wait_first: bool = False
+    combine: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
@@ -239,7 +243,8 @@ class MmvqSpec(KernelSpec):
         pdl = "-pdl" if self.pdl else ""
         xq = "-xq" if self.prequant else ""
         wf = "-wf" if self.wait_first else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}"
+        cmb = "-cmb" if self.combine else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}{cmb}"
 
     @property
     def threads(self) -> int:
@@ -267,6 +272,8 @@ class MmvqSpec(KernelSpec):
             raise ValueError(f"{self.name}: prequant belongs to the per-pair form (the others read x quantized)")
         if self.wait_first and not (self.prequant and self.pdl):
             raise ValueError(f"{self.name}: wait_first belongs to the prequant form launched with pdl")
+        if self.combine and not (self.per_pair and self.ids and self.act is None):
+            raise ValueError(f"{self.name}: combine belongs to the per-pair expert product without activation")
 
 
 SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec)}

@@ -122,6 +122,10 @@ class Backend:
         self.moe_combine_(x, y, wts)
         return self.rms_norm(x, w, eps, name)
 
+    def moe_down_combine_rms_norm_(self, L: LayerWeights, x, act, ids, wts, w, eps, name):
+        """The experts' down products, x += their weighted sum; returns rms_norm(x) * w."""
+        return self.moe_combine_rms_norm_(x, self.mul_mat_id(L.down, act, ids, "down"), wts, w, eps, name)
+
     def expert_gate_up(self, L: LayerWeights, x, ids, name):
         """silu(gate) * up of each token's chosen experts, (n, top_k, n_ff). A backend with
         a fused kernel overrides this; the composition here is its reference."""

@@ -61,6 +61,7 @@ class CudaBackend(Backend):
         self._q8 = None              # (output pointer, xq, xds, nbp) of the last such norm
         self._waited_ids = None      # (ids pointer, output pointer) of the last expert gate/up
         self.fuse_qk_rope = True     # at decode attention normalises, rotates and stores q and k itself
+        self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
 
     def context(self):
@@ -212,11 +213,29 @@ class CudaBackend(Backend):
         return out
 
     def moe_combine_rms_norm_(self, x, y, wts, w, eps, name):
-        n, top_k, d = y.shape
+        """y None: the experts' sum is already in x (expert_down_into_); only the norm, with
+        the same arithmetic (x + 0 over no slots)."""
+        n, d = x.shape
+        top_k = 0 if y is None else y.shape[1]
         out = self.ws(name, x.shape)
-        self.kernel("moe_combine_rms_norm")((n,), (1024,), (x, y, wts, w, out, _i32(top_k), _i32(d),
-                                                            _f32(eps), *self._norm_q8(out)))
+        self.kernel("moe_combine_rms_norm")((n,), (1024,), (x, x if y is None else y, wts, w, out, _i32(top_k),
+                                                            _i32(d), _f32(eps), *self._norm_q8(out)))
         return out
+
+    def moe_down_combine_rms_norm_(self, L, x, act, ids, wts, w, eps, name):
+        n, top_k = ids.shape
+        if (self.fuse_down_combine and self._decoding and L.down.q is not None and n <= dispatch.MMVQ_MAX_TOKENS
+                and top_k <= 8):
+            self.expert_down_into_(L, x, act, ids, wts)
+            return self.moe_combine_rms_norm_(x, None, wts, w, eps, name)
+        return super().moe_down_combine_rms_norm_(L, x, act, ids, wts, w, eps, name)
+
+    def expert_down_into_(self, L, x, act, ids, wts):
+        """x += sum_j wts[:, j] * (W_down[ids[:, j]] act[:, j]) in the down product's own launch
+        (ops.run_mul_mat_id_combine): the expert outputs never reach memory."""
+        settled = self._waited_ids == (ids.data.ptr, act.data.ptr)
+        self._waited_ids = None
+        ops.run_mul_mat_id_combine(L.down.q, act, ids, wts, x, ids_settled=settled)
 
     def attention(self, cache, il, q, pos, pos0, n, name):
         hp, cp = self.hp, self.cp

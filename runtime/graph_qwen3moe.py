@@ -31,7 +31,7 @@ def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
         act = B.expert_gate_up(L, h, ids, "act")
         # the residual sum and the next norm (the next layer's, or the output norm) together
         nxt = W.layers[il + 1].attn_norm if il + 1 < len(W.layers) else W.output_norm
-        h = B.moe_combine_rms_norm_(x, B.mul_mat_id(L.down, act, ids, "down"), wts, nxt, eps, "h")
+        h = B.moe_down_combine_rms_norm_(L, x, act, ids, wts, nxt, eps, "h")
 
     if last_only and n > 1:
         h = h[n - 1:n]      # RMSNorm is per row: normalising every row and keeping the last is the same

@@ -184,13 +184,17 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
 def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
           up: QuantTensor | None = None, up_off: int = 0, rows_e: int | None = None,
           bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None, x_q8=None,
-          ids_settled: bool = False):
+          ids_settled: bool = False, combine=None):
     """Mat-vec launch after one preparing launch: with ids, routing into tiles of at most
     spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only.
     x_q8 (xq, xds, nbp): x already quantized by an earlier kernel; only a prequant spec
     reads it (the others quantize x themselves). ids_settled: the kernel launched last
     waited for the writer of ids to end before it released its dependents (the model's
-    expert gate/up after the router), so a prequant product may launch with its quantizer."""
+    expert gate/up after the router), so a prequant product may launch with its quantizer.
+    combine (wts, xres), for a combine spec: xres[t] += sum_j wts[t, j] * out[t, j] instead
+    of writing out."""
+    if spec.combine != (combine is not None):
+        raise ValueError(f"{spec.name}: a combine spec takes (wts, xres), and only it does")
     kern = load(spec)
     if spec.per_pair:
         # the kernel quantizes its x row itself, or reads the rows quantized before
@@ -213,11 +217,18 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
     wu = up if up is not None else w
     ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
     grid = (-(-m // (spec.warps * spec.rows)), max_tiles)
+    if spec.combine:
+        top_k = ids.shape[1]
+        if top_k > spec.warps:
+            raise ValueError(f"{spec.name}: {top_k} slots per token, the block has {spec.warps} warps")
+        grid = (-(-m // spec.rows), ids.shape[0])
     args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), np.uint64(wu.qs_ptr()), np.uint64(wu.meta_ptr()),
             _i32(rows_e if rows_e is not None else w.m), _i32(up_off),
             ptr(bias_g), ptr(bias_u), _i32(bias_e), ptr(xq), ptr(xds),
             _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
             ptr(rows), ptr(tiles), ptr(ntt), _i32(n_dense), ptr(entry_scale), out, _i32(m))
+    if spec.combine:
+        args += (_i32(top_k), ptr(combine[0]), ptr(combine[1]))
     kern(grid, args, smem=spec.smem_bytes(w.k))
 
 
@@ -253,6 +264,17 @@ def mmq_launch_form(spec: MmqSpec, entries: int, experts: int, pdl: bool) -> Mmq
     direct = (pdl and not spec.stream_k and tokens_per_expert <= DIRECT_MAX_TOKENS_PER_EXPERT
               and 4 * experts <= spec.smem_bytes())  # the extra-column search counts in shared memory
     return dataclasses.replace(spec, evict_first=True, pdl=spec.pdl or pdl, direct=spec.direct or direct)
+
+
+def run_mul_mat_id_combine(w: QuantTensor, x, ids, wts, xres, ids_settled: bool = False) -> None:
+    """xres (n, m) += sum_j wts[:, j] * (W[ids[:, j]] @ x[:, j]) in one mat-vec launch (after
+    x's quantizer): the model's down product and the weighted sum of its experts' outputs at
+    decode, with moe_combine_rms_norm's arithmetic (n <= 8, top_k <= 8). No validation."""
+    E, m, k = w.shape
+    n, top_k = ids.shape
+    warps = next(wp for wp in (1, 2, 4, 8) if wp >= top_k)
+    spec = dataclasses.replace(dispatch.default_mmvq(w.qtype, n, True), warps=warps, combine=True)
+    _mmvq(spec, w, x.reshape(-1, k), ids, 1, xres, m, ids_settled=ids_settled, combine=(wts, xres))
 
 
 def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights=None,

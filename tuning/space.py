@@ -83,8 +83,8 @@ def path_allows(op: str, path: str, spec: KernelSpec, shape, n: int) -> str | No
     if path not in PATHS.get(op, ()):
         return f"path {path!r} does not exist for {op}"
     if path == "mmvq":
-        if not isinstance(spec, MmvqSpec) or spec.act or spec.bias:
-            return "the mmvq path runs plain mmvq specs"
+        if not isinstance(spec, MmvqSpec) or spec.act or spec.bias or spec.combine:
+            return "the mmvq path runs plain mmvq specs (combine is the model's launch form)"
         if spec.ids != (op == "mul_mat_id"):
             return f"mmvq spec ids={spec.ids} does not match {op}"
         if not mmvq_allowed(op, shape, n):

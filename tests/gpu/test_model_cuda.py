@@ -306,6 +306,19 @@ def test_attention_taking_over_qk_norm_rope_changes_no_bit(parity_models):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_down_product_adding_its_sum_to_x_changes_no_bit(parity_models):
+    """At decode the down product adds the experts' weighted sum to the residual itself and
+    moe_combine_rms_norm only normalises: the logits must be those of the separate sum."""
+    fx = parity_models["q4_0"]
+    toks = fx["tokens"][:16]
+    outs = []
+    for fused in (True, False):
+        logits, m = _decode_logits(fx, toks, fuse_down_combine=fused)
+        outs.append(logits)
+        assert m.backend._graph is not None and np.isfinite(logits).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_norms_quantizing_their_output_change_no_bit(parity_models):
     """In the decode step the norms and attention also write q8_1 of their output and the
     products after them skip their quantizing launch (the expert one then waits for the

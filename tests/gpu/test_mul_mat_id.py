@@ -305,3 +305,35 @@ def test_direct_routing_changes_no_bit(rng, qtype, E, top_k, m, k, n, tx, stages
     for name in ("direct", "direct-ef-pdl"):
         for a, b in zip(outs["plain"], outs[name]):
             np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n,top_k,E,m,k", [(1, 8, 128, 2048, 768), (3, 6, 64, 200, 352), (8, 8, 16, 97, 256),
+                                           (2, 1, 8, 64, 128), (5, 3, 32, 130, 512)])
+def test_down_product_adding_its_weighted_sum(rng, qtype, n, top_k, E, m, k):
+    """The model's decode down product adds sum_j wts[j] * (W[ids[j]] x_j) to the residual
+    row itself (no expert outputs in memory): against both references, and the separate
+    product followed by moe_combine's sum in slot order (bit for bit in the model test)."""
+    import cupy as cp
+    from moeforge.runtime import dispatch, ops
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, per_slot=True)
+    wts = rng.random((n, top_k)).astype(np.float32)
+    res = rng.standard_normal((n, m)).astype(np.float32)
+    got = cp.asarray(res)
+    ops.run_mul_mat_id_combine(w, xd, idsd, cp.asarray(wts), got)
+    emu = ref.mul_mat_id_emulated(raw, qtype, (E, m, k), x, ids)
+    flt = ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids)
+    g = got.get()
+    assert np.isfinite(g).all()
+    assert ref.nmse(g - res, np.einsum("tj,tjm->tm", wts, emu)) <= NMSE_EMULATED
+    assert ref.nmse(g - res, np.einsum("tj,tjm->tm", wts.astype(np.float64), flt)) <= NMSE_FLOAT
+    y = cp.full((n, top_k, m), cp.nan, dtype=cp.float32)
+    ops.run_mul_mat_id(w, xd, idsd, y, dispatch.Choice("mmvq", dispatch.default_mmvq(qtype, n, True)))
+    want = res.copy()
+    yh = y.get()
+    for t in range(n):
+        s = np.zeros(m, dtype=np.float32)
+        for j in range(top_k):   # moe_combine's order
+            s = (wts[t, j].astype(np.float64) * yh[t, j] + s).astype(np.float32)
+        want[t] = want[t] + s
+    np.testing.assert_allclose(g, want, rtol=2e-6, atol=2e-6)
