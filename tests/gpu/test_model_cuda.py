@@ -151,6 +151,10 @@ def test_route_matches_numpy(parity_models, E, top_k, scale):
     n = 37
     logits = rng.permuted(np.tile(np.arange(E, dtype=np.float32) * 0.05, (n, 1)), axis=1) + rng.normal(0, 1, (n, 1)).astype(np.float32)
     logits[0, :] = 0.25                                      # all tied: experts 0..top_k-1
+    logits[1, :] = np.where(rng.random(E) < 0.5, np.float32(-0.0), np.float32(0.0))   # +0 and -0 tie
+    logits[1, rng.choice(E, min(E, 3), replace=False)] = 1.5
+    logits[2, :] = -3.0                                      # negative ties, one above them
+    logits[2, E // 2] = -2.0
     ids, wts = m.backend.route(cp.asarray(logits), top_k, scale)
     from moeforge.runtime.backend_numpy import NumpyBackend
     want_ids, want_w = NumpyBackend(m.hp).route(logits, top_k, scale)
