@@ -296,28 +296,18 @@ def test_pdl_launches_change_no_bit_of_the_decode(parity_models, tmp_path):
     np.testing.assert_array_equal(got, np.load(tmp_path / "off.npy"))
 
 
-def test_attention_taking_over_qk_norm_rope_changes_no_bit(parity_models):
-    """At decode the attention kernel normalises and rotates q and the current key itself
-    and stores the key and value rows (no qk_norm_rope_store launch): the logits of every
-    step, which read the rows earlier steps stored, must be those of the separate launch."""
+@pytest.mark.parametrize("switch", ["fuse_qk_rope", "fuse_down_combine"])
+def test_decode_fusions_change_no_bit(parity_models, switch):
+    """fuse_qk_rope: the decode attention normalises and rotates q and the current key itself
+    and stores the key and value rows (no qk_norm_rope_store launch). fuse_down_combine: the
+    down product adds the experts' weighted sum to the residual itself and
+    moe_combine_rms_norm only normalises. Either way the logits of every step (which read
+    the rows earlier steps stored) must be those of the separate launches."""
     fx = parity_models["q4_0"]
     toks = fx["tokens"][:16]
     outs = []
     for fused in (True, False):
-        logits, m = _decode_logits(fx, toks, fuse_qk_rope=fused)
-        outs.append(logits)
-        assert m.backend._graph is not None and np.isfinite(logits).all()
-    np.testing.assert_array_equal(outs[0], outs[1])
-
-
-def test_down_product_adding_its_sum_to_x_changes_no_bit(parity_models):
-    """At decode the down product adds the experts' weighted sum to the residual itself and
-    moe_combine_rms_norm only normalises: the logits must be those of the separate sum."""
-    fx = parity_models["q4_0"]
-    toks = fx["tokens"][:16]
-    outs = []
-    for fused in (True, False):
-        logits, m = _decode_logits(fx, toks, fuse_down_combine=fused)
+        logits, m = _decode_logits(fx, toks, **{switch: fused})
         outs.append(logits)
         assert m.backend._graph is not None and np.isfinite(logits).all()
     np.testing.assert_array_equal(outs[0], outs[1])
