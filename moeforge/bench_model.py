@@ -3,7 +3,8 @@ sweep-bench's (ik_llama.cpp), so the numbers sit next to llama.cpp's on the same
 
 pp N: N prompt tokens into an empty context (ubatches of --ubatch), logits of the last
 token only; tg N: N tokens decoded one at a time from an empty context. Each test runs
-once to warm up, then --repetitions times; t/s is the mean ± standard deviation over
+twice to warm up (the first compiles and sizes buffers, the second captures the CUDA
+graphs), then --repetitions times; t/s is the mean ± standard deviation over
 repetitions, as llama-bench prints it. The token ids are random (no sampling), as there.
 """
 from __future__ import annotations
@@ -62,7 +63,8 @@ def bench(model, tests, reps: int, seed: int = 0) -> list[dict]:
                 return run_pp(model, n, rng)
             model.reset()
             return run_tg(model, n, rng)
-        once()                                   # warm-up: compiles, sizes buffers, captures
+        for _ in range(2):                       # warm-up: compiles and sizes buffers, then captures
+            once()
         ts = np.array([n / once() for _ in range(reps)])
         rows.append({"test": f"{kind}{n}", "n": n, "t_s_mean": float(ts.mean()),
                      "t_s_std": float(ts.std(ddof=1)) if reps > 1 else 0.0, "samples": ts.tolist()})
@@ -91,7 +93,9 @@ def sweep(model, n_ctx: int, pp: int, tg: int, seed: int = 0) -> list[dict]:
     then a pp batch processed and kept; the fill grows by pp until the context is full."""
     rng = np.random.default_rng(seed)
     model.reset(n_ctx)
-    run_pp(model, min(pp, n_ctx // 2), rng)          # warm-up
+    for _ in range(2):                                # warm-up, as in bench()
+        model.reset()
+        run_pp(model, min(pp, n_ctx // 2), rng)
     model.reset()
     run_tg(model, min(tg, 4), rng)
     model.reset()

@@ -1,35 +1,51 @@
 """The CUDA backend: quantized products through moeforge's kernels (runtime.ops), the rest
-through the small kernels of the model graph (templates/model.cu.j2), attention over many
-tokens through CuPy (cuBLAS).
+through the small kernels of the model graph (templates/model.cu.j2), float products
+(the router) too.
 
 Every op writes into a named, grow-only device buffer, and everything runs on one stream.
-A decode step (one token) therefore allocates nothing and never waits for the host: it is
-captured once as a CUDA graph and replayed at every position (the token and position live
-in device memory). The graph is captured again whenever a buffer it uses was reallocated.
+A forward pass therefore allocates nothing and never waits for the host: the decode step
+and each prompt ubatch size are captured as CUDA graphs and replayed at every position
+(token ids and positions live in device memory; runtime.graphs).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 
 import numpy as np
 
 from ..codegen.spec import ModelSpec
 from . import dispatch, ops
 from .backend import Backend, KVCache
-from .device import require_gpu
+from .device import device_info, require_gpu
+from .graphs import PassGraphs
 from .kernels import load
 from .tensor import QuantTensor
 
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
-SMALL_N = 16    # float products up to this many tokens use dense_f32, not cuBLAS
+SMALL_N = 16    # float products up to this many tokens use dense_f32 (a warp per output), past it tiles
 
 
 class GpuWeight:
     def __init__(self, qtype: str, shape, q: QuantTensor | None = None, f=None):
         self.qtype, self.shape, self.q, self.f = qtype, tuple(shape), q, f
+
+
+PREFILL_ROWS = 8  # query tokens per block of attn_prefill (templates/attn_prefill.cuh.j2)
+
+
+def prefill_supported(hp) -> bool:
+    """attn_prefill: a warp per query head of a group (up to 16), a lane per 4 head dims."""
+    g = hp.n_head // hp.n_head_kv
+    return hp.n_head % hp.n_head_kv == 0 and g <= 16 and hp.head_dim % 4 == 0 and hp.head_dim <= 128
+
+
+def prefill_smem(hp) -> int:
+    """Its dynamic shared memory: the block's q rows, a key tile (padded rows), a value
+    tile and the probabilities, in floats."""
+    g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
+    return 4 * (g * PREFILL_ROWS * hd + 32 * (hd + 1) + 32 * hd + g * PREFILL_ROWS * 32)
 
 
 def _grid(total: int, block: int = 256) -> tuple[int]:
@@ -52,8 +68,7 @@ class CudaBackend(Backend):
         self._bufs: dict[str, object] = {}
         self._kernels: dict[str, object] = {}
         self.generation = 0          # bumped whenever a buffer is (re)allocated
-        self.use_graphs = True
-        self._graph = self._graph_key = self._graph_out = self._warm_key = None
+        self.graphs = PassGraphs(cp, self.stream)
         self._step_in = None
         self._counter = None
         self._decoding = False       # inside decode_step: model kernels launch with PDL
@@ -63,6 +78,7 @@ class CudaBackend(Backend):
         self.fuse_qk_rope = True     # at decode attention normalises, rotates and stores q and k itself
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
+        self._prefill = None
 
     def context(self):
         return self.stream
@@ -253,8 +269,11 @@ class CudaBackend(Backend):
                 q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
                 _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
             return out
+        if prefill_supported(hp):
+            return self._attn_prefill(kc, vc, q, pos, n, scale, name)
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
         g = hp.n_head // hkv
+        # other head shapes: cuBLAS on views (CuPy temporaries: such a pass is not captured)
         K = kc[:L].reshape(L, hkv, hd).transpose(1, 2, 0)
         V = vc[:L].reshape(L, hkv, hd).transpose(1, 0, 2)
         qh = q.reshape(n, hkv, g, hd).transpose(1, 2, 0, 3).reshape(hkv, g * n, hd)
@@ -262,6 +281,17 @@ class CudaBackend(Backend):
         self.kernel("softmax_causal")((p.size // L,), (256,), (p, _i32(L), _i32(n), _i32(pos0), _f32(scale)))
         o = cp.matmul(p, V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
         return cp.ascontiguousarray(o.reshape(n, hp.q_dim))
+
+    def _attn_prefill(self, kc, vc, q, pos, n, scale, name):
+        hp = self.hp
+        g = hp.n_head // hp.n_head_kv
+        out = self.ws(name, (n, hp.q_dim))
+        if self._prefill is None:
+            self._prefill = load(ModelSpec(), "attn_prefill")
+        self._prefill((hp.n_head_kv, -(-n // PREFILL_ROWS)), (
+            q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
+            _f32(scale * math.log2(math.e))), block=32 * g, smem=prefill_smem(hp), pdl=False)
+        return out
 
     def matmul(self, w: GpuWeight, x, name):
         n, k = x.shape
@@ -279,8 +309,24 @@ class CudaBackend(Backend):
         elif n <= SMALL_N:
             self.kernel("dense_f32")((-(-m // 8), n), (256,), (w.f, x, out, _i32(m), _i32(k)))
         else:
-            self.cp.matmul(x, w.f.T, out=out)
+            self._dense_tiled(w.f, x, out)
         return out
+
+    def _dense_tiled(self, w, x, out):
+        """out = x @ w.T in 32x32 tiles, split over k until the SMs have two blocks each."""
+        (n, k), m = x.shape, w.shape[0]
+        tiles = -(-m // 32) * -(-n // 32)
+        splits = max(1, min(-(-2 * self._sm_count() // tiles), k // 256))
+        kc = -(-k // (splits * 32)) * 32
+        splits = -(-k // kc)
+        dst = out if splits == 1 else self.ws("dense_partials", (splits, n, m))
+        self.kernel("dense_f32_tiled")((-(-m // 32), -(-n // 32), splits), (256,),
+                                       (w, x, dst, _i32(m), _i32(k), _i32(n), _i32(kc)))
+        if splits > 1:
+            self.kernel("dense_f32_reduce")(_grid(n * m), (256,), (dst, out, _i32(splits), np.int64(n * m)))
+
+    def _sm_count(self) -> int:
+        return device_info(self.cp.cuda.Device().id)["sm_count"]
 
     def mul_mat_id(self, w: GpuWeight, x, ids, name):
         n, top_k = ids.shape
@@ -374,37 +420,29 @@ class CudaBackend(Backend):
         finally:
             self._decoding = False
 
-    def decode_step(self, model, token: int, pos0: int):
-        with self.decoding():
-            return self._decode_step(model, token, pos0)
+    @property
+    def use_graphs(self) -> bool:
+        return self.graphs.enabled
 
-    def _decode_step(self, model, token: int, pos0: int):
+    @use_graphs.setter
+    def use_graphs(self, on: bool) -> None:
+        self.graphs.enabled = on
+
+    def decode_step(self, model, token: int, pos0: int):
         if self._step_in is None:
             self._step_in = self.ws("step_in", (2,), np.int32)
         self._step_in.set(np.array([token, pos0], dtype=np.int32), stream=self.stream)
         tok, pos = self._step_in[0:1], self._step_in[1:2]
-        key = self._layout_key(model)
-        if self.use_graphs and self._graph is not None and self._graph_key == key:
-            self._graph.launch(self.stream)
-            return self._graph_out
-        if not self.use_graphs or self._warm_key != key:
-            # eager: compiles kernels and sizes every buffer the graph will use
-            out = model._forward(model, tok, pos, pos0, 1)
-            self._warm_key = self._layout_key(model)
-            return out
-        try:
-            self.stream.begin_capture()
-            try:
-                out = model._forward(model, tok, pos, pos0, 1)
-            finally:
-                graph = self.stream.end_capture()
-            if self._layout_key(model) != key:
-                raise RuntimeError("the decode step allocated a buffer while being captured")
-        except Exception as e:  # capture is an optimisation: run eagerly from now on
-            warnings.warn(f"moeforge: decode step not captured as a CUDA graph ({e}); running eagerly")
-            self.use_graphs = False
-            self._graph = None
-            return model._forward(model, tok, pos, pos0, 1)
-        self._graph, self._graph_key, self._graph_out = graph, key, out
-        graph.launch(self.stream)
-        return out
+
+        def forward():
+            with self.decoding():
+                return model._forward(model, tok, pos, pos0, 1)
+        return self.graphs.run("decode", lambda: self._layout_key(model), forward)
+
+    def prompt_step(self, model, ids: np.ndarray, pos0: int, last_only: bool):
+        """A prompt ubatch: one graph per (token count, last_only) serves every position."""
+        n = ids.size
+        tokens = self.to_device(ids, "tokens")
+        pos = self.to_device(np.arange(pos0, pos0 + n, dtype=np.int32), "pos")
+        return self.graphs.run(("prompt", n, last_only), lambda: self._layout_key(model),
+                               lambda: model._forward(model, tokens, pos, pos0, n, last_only))

@@ -84,11 +84,13 @@ class Model:
 
     def _step(self, ids: np.ndarray, last_only: bool = False):
         n, pos0 = ids.size, self.n_past
-        step = getattr(self.backend, "decode_step", None)
-        if n == 1 and step is not None:
-            out = step(self, int(ids[0]), pos0)
+        B = self.backend
+        decode, prompt = getattr(B, "decode_step", None), getattr(B, "prompt_step", None)
+        if n == 1 and decode is not None:
+            out = decode(self, int(ids[0]), pos0)
+        elif prompt is not None:
+            out = prompt(self, ids, pos0, last_only)
         else:
-            B = self.backend
             tokens = B.to_device(ids, "tokens")
             pos = B.to_device(np.arange(pos0, pos0 + n, dtype=np.int32), "pos")
             out = self._forward(self, tokens, pos, pos0, n, last_only)

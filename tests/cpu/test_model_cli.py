@@ -60,7 +60,7 @@ def test_sweep_table(tiny, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split("|")[1:-1] == ["    PP ", "     TG ", "   N_KV ", "   T_PP s ", " S_PP t/s ",
                                          "   T_TG s ", " S_TG t/s "]
-    assert [int(l.split("|")[3]) for l in lines[2:]] == [0, 32]
+    assert [int(ln.split("|")[3]) for ln in lines[2:]] == [0, 32]
 
 
 def test_perplexity_and_run_on_numpy(tiny, tmp_path, capsys):

@@ -65,7 +65,7 @@ def _close(got, ref, name):
 
 @pytest.mark.parametrize("name", ["q4_0", "f32"])
 def test_decode_steps_match_prefill(parity_models, name):
-    """Token by token (decode kernel, CUDA graph) == all at once (cuBLAS attention)."""
+    """Token by token (decode kernel, CUDA graph) == all at once (attn_prefill)."""
     fx = parity_models[name]
     toks = fx["tokens"][:40]
     m = load_model(fx["path"], backend="cuda")
@@ -74,7 +74,7 @@ def test_decode_steps_match_prefill(parity_models, name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")      # a failed capture warns and falls back: fail here
         steps = np.concatenate([m.eval([t]) for t in toks])
-    assert m.backend.use_graphs and m.backend._graph is not None, "the decode step was not captured"
+    assert m.backend.use_graphs and m.backend.graphs.captured("decode"), "the decode step was not captured"
     _close(steps, whole, name)
 
 
@@ -123,10 +123,13 @@ def test_full_width_layers_run(tmp_path):
     write_qwen3moe(path, preset("qwen3-30b-a3b", n_layer=2), "q4_0", skewed_router=True)
     m = load_model(path, backend="cuda", n_ctx=1100)
     toks = np.random.default_rng(0).integers(0, m.hp.n_vocab, size=1030)
-    last = m.eval(toks, last_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # a refused capture warns: fail here
+        last = m.eval(toks, last_only=True)
     assert last.shape == (1, m.hp.n_vocab) and np.isfinite(last).all()
+    assert m.backend.graphs.captured(("prompt", 512, True))     # the second ubatch of 512
     steps = np.concatenate([m.eval([t]) for t in toks[:8]])
-    assert np.isfinite(steps).all() and m.backend._graph is not None
+    assert np.isfinite(steps).all() and m.backend.graphs.captured("decode")
 
 
 def test_bench_command_runs(tmp_path, capsys):
@@ -174,6 +177,7 @@ def test_op_profile_on_gpu(tmp_path, capsys):
     data = json.loads(out.read_text())["profile"]
     dec, prm = data.values()
     assert dec["method"].startswith("CUDA graph") and dec["total_us"] > 0
+    assert prm["method"].startswith("CUDA graph"), prm["method"]    # the prompt pass is capturable
     decode, prompt = (dict((r["op"], r) for r in p["ops"]) for p in (dec, prm))
     assert decode["expert_gate_up act"]["calls"] == 2 and "swiglu act" not in decode
     assert prompt["mul_mat_id gate_up"]["calls"] == 2 and prompt["swiglu act"]["calls"] == 2
@@ -287,7 +291,7 @@ def test_pdl_launches_change_no_bit_of_the_decode(parity_models, tmp_path):
     m = load_model(fx["path"], backend="cuda")
     m.reset(len(toks))
     got = np.concatenate([m.eval([t]) for t in toks])
-    assert m.backend._graph is not None
+    assert m.backend.graphs.captured("decode")
     assert load(ModelSpec(), "rms_norm").pdl_ok == (int(device_info()["cc"].split(".")[0]) >= 9)
     np.save(tmp_path / "toks.npy", toks)
     env = {**os.environ, "MOEFORGE_PDL": "0"}
@@ -309,7 +313,7 @@ def test_decode_fusions_change_no_bit(parity_models, switch):
     for fused in (True, False):
         logits, m = _decode_logits(fx, toks, **{switch: fused})
         outs.append(logits)
-        assert m.backend._graph is not None and np.isfinite(logits).all()
+        assert m.backend.graphs.captured("decode") and np.isfinite(logits).all()
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
@@ -324,6 +328,6 @@ def test_norms_quantizing_their_output_change_no_bit(parity_models):
     for fused in (True, False):
         logits, m = _decode_logits(fx, toks, fuse_norm_q8=fused)
         outs.append(logits)
-        assert m.backend._graph is not None
+        assert m.backend.graphs.captured("decode")
         assert (m.backend._q8 is not None) == fused      # the last norm of the step wrote one
     np.testing.assert_array_equal(outs[0], outs[1])

@@ -1,0 +1,130 @@
+"""The prompt pass on the GPU (pytest -m gpu): attn_prefill against float64 attention, and a
+prompt ubatch replayed as a CUDA graph bit for bit the eager pass, at other positions too."""
+import warnings
+
+import numpy as np
+import pytest
+
+from moeforge.runtime.arch_qwen3moe import HParams
+from moeforge.runtime.model import load_model
+
+pytestmark = pytest.mark.gpu
+
+
+def _hp(n_head, n_head_kv, head_dim):
+    return HParams(n_vocab=32, n_embd=64, n_layer=2, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+                   n_ff_exp=64, n_expert=8, n_expert_used=2, rms_eps=1e-6, rope_base=1e6, n_ctx_train=4096)
+
+
+def _attention64(q, kc, vc, pos, hp):
+    """Causal grouped-query attention in float64: query t sees cached positions <= pos[t]."""
+    n, g, hd = q.shape[0], hp.n_head // hp.n_head_kv, hp.head_dim
+    out = np.empty((n, hp.q_dim))
+    for t in range(n):
+        L = pos[t] + 1
+        for h in range(hp.n_head):
+            kvh = h // g
+            s = kc[:L, kvh * hd:(kvh + 1) * hd] @ q[t, h * hd:(h + 1) * hd] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ vc[:L, kvh * hd:(kvh + 1) * hd]
+    return out
+
+
+@pytest.mark.parametrize("heads,pos0,n", [
+    ((32, 4, 128), 0, 77),       # Qwen3-30B-A3B's heads, a prompt from the start
+    ((32, 4, 128), 301, 45),     # later ubatch: keys from earlier ones, a partial last tile
+    ((64, 4, 128), 33, 19),      # 16 query heads a group (Qwen3-235B)
+    ((6, 3, 36), 5, 40),         # odd head width (a multiple of 4), small groups
+    ((8, 8, 64), 0, 9),          # no grouping
+])
+def test_attn_prefill_matches_float64(heads, pos0, n):
+    import cupy as cp
+
+    from moeforge.runtime.backend_cuda import CudaBackend, prefill_supported
+    hp = _hp(*heads)
+    assert prefill_supported(hp)
+    B = CudaBackend(hp)
+    rng = np.random.default_rng()
+    ctx = pos0 + n + 7
+    cache = B.new_cache(ctx)
+    il = 1
+    kc = rng.standard_normal((ctx, hp.kv_dim)).astype(np.float32)
+    vc = rng.standard_normal((ctx, hp.kv_dim)).astype(np.float32)
+    q = (2.0 * rng.standard_normal((n, hp.q_dim))).astype(np.float32)   # peaked softmax rows too
+    pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+    with B.context():
+        cache.k[il].set(kc)
+        cache.v[il].set(vc)
+        out = B.ws("attn", (n, hp.q_dim))
+        out.fill(cp.nan)
+        got = B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn").get()
+        again = B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn").get()
+    want = _attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos, hp)
+    assert np.isfinite(got).all()
+    err = np.abs(got - want).max()
+    assert err < 2e-5 * max(1.0, np.abs(want).max()), f"max abs error {err:.2e}"
+    np.testing.assert_array_equal(got, again)
+
+
+def test_unsupported_heads_use_the_cublas_path():
+    from moeforge.runtime.backend_cuda import prefill_supported
+    assert not prefill_supported(_hp(8, 8, 256))     # wider than 32 lanes x 4
+    assert not prefill_supported(_hp(34, 1, 64))     # more than 16 query heads a group
+    assert not prefill_supported(_hp(4, 2, 30))      # not a multiple of 4
+
+
+@pytest.mark.parametrize("m,k,n", [(128, 2048, 512), (130, 2050, 37), (7, 33, 17), (200, 64, 100)])
+def test_float_product_tiles_match_float64(m, k, n):
+    """dense_f32_tiled (float products of more than SMALL_N tokens: the router in a prompt)."""
+    import cupy as cp
+
+    from moeforge.runtime.backend_cuda import SMALL_N, CudaBackend, GpuWeight
+    assert n > SMALL_N
+    B = CudaBackend(_hp(4, 2, 32))
+    rng = np.random.default_rng()
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    W = GpuWeight("f32", (m, k), f=cp.asarray(w))
+    with B.context():
+        B.ws("router", (n, m)).fill(cp.nan)
+        got = B.matmul(W, cp.asarray(x), "router").get()
+        again = B.matmul(W, cp.asarray(x), "router").get()
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.sqrt(k))
+    np.testing.assert_array_equal(got, again)          # split sums added in a fixed order
+
+
+def _prompt_logits(path, toks, ubatch, graphs):
+    m = load_model(path, backend="cuda", n_ubatch=ubatch)
+    m.backend.use_graphs = graphs
+    m.reset(len(toks))
+    return m, m.eval(toks)
+
+
+def test_prompt_graph_replay_equals_eager(parity_models):
+    """Ubatches of 16 tokens: the first runs eagerly, the second is captured, the rest
+    replay that graph at later positions (ids and positions are read on the device). Every
+    row of logits must be the eager pass's, bit for bit."""
+    fx = parity_models["q4_0"]
+    toks = np.asarray(fx["tokens"][:16 * 5 + 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # a refused capture warns: fail here
+        m, got = _prompt_logits(fx["path"], toks, 16, True)
+    assert m.backend.graphs.captured(("prompt", 16, False))
+    _, want = _prompt_logits(fx["path"], toks, 16, False)
+    np.testing.assert_array_equal(got, want)
+    # and a second prompt through the captured graph, from the start
+    m.reset(len(toks))
+    np.testing.assert_array_equal(m.eval(toks), want)
+
+
+def test_prompt_graph_recaptured_when_the_cache_changes(parity_models):
+    fx = parity_models["q8_0"]
+    toks = np.asarray(fx["tokens"][:40])
+    m, first = _prompt_logits(fx["path"], toks, 8, True)
+    m.reset(len(toks) + 64)                 # a new cache: the graph's addresses are stale
+    np.testing.assert_array_equal(m.eval(toks), first)
+    m.reset()
+    np.testing.assert_array_equal(m.eval(toks), first)
+    assert m.backend.graphs.captured(("prompt", 8, False))
