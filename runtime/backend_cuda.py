@@ -36,7 +36,8 @@ PREFILL_ROWS = 8  # query tokens per block of attn_prefill (templates/attn_prefi
 
 
 def prefill_supported(hp) -> bool:
-    """attn_prefill: a warp per query head of a group (up to 16), a lane per 4 head dims."""
+    """attn_prefill: a warp per query head of a group (up to 16), a lane per 4 head dims
+    (widths up to 128, multiples of 4). Other heads go through cuBLAS, eagerly."""
     g = hp.n_head // hp.n_head_kv
     return hp.n_head % hp.n_head_kv == 0 and g <= 16 and hp.head_dim % 4 == 0 and hp.head_dim <= 128
 
@@ -78,7 +79,6 @@ class CudaBackend(Backend):
         self.fuse_qk_rope = True     # at decode attention normalises, rotates and stores q and k itself
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
-        self._prefill = None
 
     def context(self):
         return self.stream
@@ -284,13 +284,11 @@ class CudaBackend(Backend):
 
     def _attn_prefill(self, kc, vc, q, pos, n, scale, name):
         hp = self.hp
-        g = hp.n_head // hp.n_head_kv
         out = self.ws(name, (n, hp.q_dim))
-        if self._prefill is None:
-            self._prefill = load(ModelSpec(), "attn_prefill")
-        self._prefill((hp.n_head_kv, -(-n // PREFILL_ROWS)), (
-            q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
-            _f32(scale * math.log2(math.e))), block=32 * g, smem=prefill_smem(hp), pdl=False)
+        args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
+                _f32(scale * math.log2(math.e)))
+        load(ModelSpec(), "attn_prefill")((hp.n_head_kv, -(-n // PREFILL_ROWS)), args,
+                                          block=32 * (hp.n_head // hp.n_head_kv), smem=prefill_smem(hp), pdl=False)
         return out
 
     def matmul(self, w: GpuWeight, x, name):

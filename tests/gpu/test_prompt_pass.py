@@ -35,9 +35,10 @@ def _attention64(q, kc, vc, pos, hp):
     ((32, 4, 128), 301, 45),     # later ubatch: keys from earlier ones, a partial last tile
     ((64, 4, 128), 33, 19),      # 16 query heads a group (Qwen3-235B)
     ((6, 3, 36), 5, 40),         # odd head width (a multiple of 4), small groups
-    ((8, 8, 64), 0, 9),          # no grouping
+    ((8, 8, 64), 0, 9),          # no grouping, a partial query tile
 ])
 def test_attn_prefill_matches_float64(heads, pos0, n):
+    """Against float64, rows poisoned before the launch, the same bits on a second launch."""
     import cupy as cp
 
     from moeforge.runtime.backend_cuda import CudaBackend, prefill_supported
@@ -64,13 +65,6 @@ def test_attn_prefill_matches_float64(heads, pos0, n):
     err = np.abs(got - want).max()
     assert err < 2e-5 * max(1.0, np.abs(want).max()), f"max abs error {err:.2e}"
     np.testing.assert_array_equal(got, again)
-
-
-def test_unsupported_heads_use_the_cublas_path():
-    from moeforge.runtime.backend_cuda import prefill_supported
-    assert not prefill_supported(_hp(8, 8, 256))     # wider than 32 lanes x 4
-    assert not prefill_supported(_hp(34, 1, 64))     # more than 16 query heads a group
-    assert not prefill_supported(_hp(4, 2, 30))      # not a multiple of 4
 
 
 @pytest.mark.parametrize("m,k,n", [(128, 2048, 512), (130, 2050, 37), (7, 33, 17), (200, 64, 100)])
