@@ -43,10 +43,10 @@ def prefill_supported(hp) -> bool:
 
 
 def prefill_smem(hp) -> int:
-    """Its dynamic shared memory: the block's q rows, a key tile (padded rows), a value
-    tile and the probabilities, in floats."""
+    """Its dynamic shared memory: the block's q rows, two key tiles (padded rows), two
+    value tiles and the probabilities, in floats."""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
-    return 4 * (g * PREFILL_ROWS * hd + 32 * (hd + 1) + 32 * hd + g * PREFILL_ROWS * 32)
+    return 4 * (g * PREFILL_ROWS * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * PREFILL_ROWS * 32)
 
 
 def _grid(total: int, block: int = 256) -> tuple[int]:
