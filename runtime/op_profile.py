@@ -10,8 +10,9 @@ graph (as the decode step runs) and timed, then captured again with every call o
 label replaced by its output from a warm-up pass, and timed again. Events around eager
 launches would not do: each one adds a few microseconds of its own, more than most of these
 kernels take, and the graph's launch gaps would be missing. Where the pass cannot be
-captured (prompt attention allocates through CuPy), events around eager calls behind a
-spin kernel are the fallback, and the table says so. On the numpy backend host clocks
+captured (heads the prompt attention kernel does not take run through CuPy, which
+allocates), events around eager calls behind a spin kernel are the fallback, and the table
+says so. On the numpy backend host clocks
 time each call.
 """
 from __future__ import annotations
