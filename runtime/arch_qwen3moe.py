@@ -161,6 +161,11 @@ class ModelRefs:
     output: TensorRef          # the embedding itself when the file ties them
     layers: list[LayerRefs]
 
+    def attention_quantized(self) -> bool:
+        """Every q, k, v and output projection quantized: the prompt attention may then run
+        on tf32 tensor cores (runtime.prompt_attention)."""
+        return all(t.quantized for L in self.layers for t in (L.wq, L.wk, L.wv, L.wo))
+
 
 def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""

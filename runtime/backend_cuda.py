@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ..codegen.spec import ModelSpec
-from . import dispatch, ops
+from . import dispatch, ops, prompt_attention
 from .backend import Backend, KVCache
 from .device import device_info, require_gpu
 from .graphs import PassGraphs
@@ -30,23 +30,6 @@ SMALL_N = 16    # float products up to this many tokens use dense_f32 (a warp pe
 class GpuWeight:
     def __init__(self, qtype: str, shape, q: QuantTensor | None = None, f=None):
         self.qtype, self.shape, self.q, self.f = qtype, tuple(shape), q, f
-
-
-PREFILL_ROWS = 8  # query tokens per block of attn_prefill (templates/attn_prefill.cuh.j2)
-
-
-def prefill_supported(hp) -> bool:
-    """attn_prefill: a warp per query head of a group (up to 16), a lane per 4 head dims
-    (widths up to 128, multiples of 4). Other heads go through cuBLAS, eagerly."""
-    g = hp.n_head // hp.n_head_kv
-    return hp.n_head % hp.n_head_kv == 0 and g <= 16 and hp.head_dim % 4 == 0 and hp.head_dim <= 128
-
-
-def prefill_smem(hp) -> int:
-    """Its dynamic shared memory: the block's q rows, two key tiles (padded rows), two
-    value tiles and the probabilities, in floats."""
-    g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
-    return 4 * (g * PREFILL_ROWS * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * PREFILL_ROWS * 32)
 
 
 def _grid(total: int, block: int = 256) -> tuple[int]:
@@ -79,6 +62,7 @@ class CudaBackend(Backend):
         self.fuse_qk_rope = True     # at decode attention normalises, rotates and stores q and k itself
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
+        self.attn_tensor_cores = True  # prompt attention on tf32 (runtime.prompt_attention); see upload
 
     def context(self):
         return self.stream
@@ -131,6 +115,10 @@ class CudaBackend(Backend):
         from .backend_numpy import _float_rows
         host = _float_rows(np.asarray(ref.load()).reshape(-1, ref.shape[-1]), ref.qtype).reshape(ref.shape)
         return GpuWeight(ref.qtype, ref.shape, f=self.cp.asarray(host))
+
+    def upload(self, refs, progress=None):
+        self.attn_tensor_cores = refs.attention_quantized()
+        return super().upload(refs, progress)
 
     def stacked_qkv(self, L):
         """Quantized q, k, v of one type become one matrix: one product (at decode one launch
@@ -269,8 +257,9 @@ class CudaBackend(Backend):
                 q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
                 _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
             return out
-        if prefill_supported(hp):
-            return self._attn_prefill(kc, vc, q, pos, n, scale, name)
+        kernel = prompt_attention.kernel_for(hp, self._cc(), self.attn_tensor_cores)
+        if kernel is not None:
+            return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name)
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
         g = hp.n_head // hkv
         # other head shapes: cuBLAS on views (CuPy temporaries: such a pass is not captured)
@@ -282,14 +271,17 @@ class CudaBackend(Backend):
         o = cp.matmul(p, V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
         return cp.ascontiguousarray(o.reshape(n, hp.q_dim))
 
-    def _attn_prefill(self, kc, vc, q, pos, n, scale, name):
+    def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name):
         hp = self.hp
         out = self.ws(name, (n, hp.q_dim))
         args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
                 _f32(scale * math.log2(math.e)))
-        load(ModelSpec(), "attn_prefill")((hp.n_head_kv, -(-n // PREFILL_ROWS)), args,
-                                          block=32 * (hp.n_head // hp.n_head_kv), smem=prefill_smem(hp), pdl=False)
+        load(ModelSpec(), kernel)((hp.n_head_kv, -(-n // prompt_attention.ROWS[kernel])), args,
+                                  block=32 * (hp.n_head // hp.n_head_kv), smem=prompt_attention.smem_bytes(hp, kernel), pdl=False)
         return out
+
+    def _cc(self) -> str:
+        return device_info(self.cp.cuda.Device().id)["cc"]
 
     def matmul(self, w: GpuWeight, x, name):
         n, k = x.shape

@@ -8,7 +8,9 @@ makes. Two numerics for the quantized products:
             means, and what llama.cpp computes with F32 weights;
   "kernel"  activations quantized to q8_1 blocks first and multiplied block by block
             against the integer quants, exactly as moeforge's GPU kernels do: the
-            prediction of the CUDA backend's result, to float32 rounding.
+            prediction of the CUDA backend's result, to float32 rounding. Where the
+            GPU's prompt attention runs on tf32 tensor cores (quantized attention
+            weights), so does this one's (runtime.prompt_attention.attention_tf32).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from gguf import quants
 
 from ..codegen.quant import QUANT_TYPES
 from .. import reference as ref
+from . import prompt_attention
 from .backend import Backend
 
 NUMERICS = ("float", "kernel")
@@ -135,8 +138,16 @@ class NumpyBackend(Backend):
         cache.k[il, pos0:pos0 + n] = k
         cache.v[il, pos0:pos0 + n] = v
 
+    def upload(self, refs, progress=None):
+        # numerics="kernel" follows the GPU's prompt attention onto tf32 where it goes there
+        self.attn_tf32 = (self.numerics == "kernel" and refs.attention_quantized()
+                          and prompt_attention.kernel_for(self.hp, "8.0") == "attn_prefill_tc")
+        return super().upload(refs, progress)
+
     def attention(self, cache, il, q, pos, pos0, n, name):
         hp = self.hp
+        if n > 1 and getattr(self, "attn_tf32", False):
+            return prompt_attention.attention_tf32(q, cache.k[il], cache.v[il], hp, pos0).astype(np.float32)
         L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
         K = cache.k[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
         V = cache.v[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)

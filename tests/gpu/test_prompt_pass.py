@@ -7,6 +7,7 @@ import pytest
 
 from moeforge.runtime.arch_qwen3moe import HParams
 from moeforge.runtime.model import load_model
+from moeforge.runtime.prompt_attention import attention_tf32, kernel_for
 
 pytestmark = pytest.mark.gpu
 
@@ -30,21 +31,31 @@ def _attention64(q, kc, vc, pos, hp):
     return out
 
 
-@pytest.mark.parametrize("heads,pos0,n", [
+CASES = [
     ((32, 4, 128), 0, 77),       # Qwen3-30B-A3B's heads, a prompt from the start
     ((32, 4, 128), 301, 45),     # later ubatch: keys from earlier ones, a partial last tile
-    ((64, 4, 128), 33, 19),      # 16 query heads a group (Qwen3-235B)
-    ((6, 3, 36), 5, 40),         # odd head width (a multiple of 4), small groups
-    ((8, 8, 64), 0, 9),          # no grouping, a partial query tile
-])
-def test_attn_prefill_matches_float64(heads, pos0, n):
-    """Against float64, rows poisoned before the launch, the same bits on a second launch."""
+    ((16, 4, 64), 33, 19),       # narrower heads
+    ((8, 8, 32), 0, 9),          # no grouping, a partial query tile
+]
+
+
+@pytest.mark.parametrize("kernel,heads,pos0,n", [("attn_prefill_tc", *c) for c in CASES] + [
+    ("attn_prefill", *c) for c in CASES + [
+        ((64, 4, 128), 33, 19),  # 16 query heads a group (Qwen3-235B): only the FMA kernel
+        ((6, 3, 36), 5, 40),     # head width a multiple of 4, not of 32
+    ]])
+def test_attn_prefill_matches_its_references(kernel, heads, pos0, n):
+    """attn_prefill against float64 (2e-5); attn_prefill_tc against an emulation of its tf32
+    rounding (2e-4) and against float64 within the design's NMSE bar. Rows poisoned before
+    the launch, the same bits on a second launch."""
     import cupy as cp
 
-    from moeforge.runtime.backend_cuda import CudaBackend, prefill_supported
+    from moeforge.runtime.backend_cuda import CudaBackend
     hp = _hp(*heads)
-    assert prefill_supported(hp)
     B = CudaBackend(hp)
+    B.attn_tensor_cores = kernel == "attn_prefill_tc"
+    if kernel_for(hp, B._cc(), B.attn_tensor_cores) != kernel:
+        pytest.skip(f"{kernel} does not run here (tensor cores need sm_80)")
     rng = np.random.default_rng()
     ctx = pos0 + n + 7
     cache = B.new_cache(ctx)
@@ -60,11 +71,19 @@ def test_attn_prefill_matches_float64(heads, pos0, n):
         out.fill(cp.nan)
         got = B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn").get()
         again = B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn").get()
-    want = _attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos, hp)
+    exact = _attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos, hp)
     assert np.isfinite(got).all()
-    err = np.abs(got - want).max()
-    assert err < 2e-5 * max(1.0, np.abs(want).max()), f"max abs error {err:.2e}"
     np.testing.assert_array_equal(got, again)
+    if kernel == "attn_prefill":
+        err = np.abs(got - exact).max()
+        assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"max abs error {err:.2e}"
+        return
+    # the cache beyond the prompt's positions is never read: the emulation sees up to pos0 + n
+    emul = attention_tf32(q, kc, vc, hp, pos0)
+    err = np.abs(got - emul).max()
+    assert err < 2e-4 * max(1.0, np.abs(emul).max()), f"max abs error {err:.2e} against the tf32 emulation"
+    nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
+    assert nmse < 5e-4, f"NMSE {nmse:.2e} against float64"
 
 
 @pytest.mark.parametrize("m,k,n", [(128, 2048, 512), (130, 2050, 37), (7, 33, 17), (200, 64, 100)])
@@ -122,3 +141,10 @@ def test_prompt_graph_recaptured_when_the_cache_changes(parity_models):
     m.reset()
     np.testing.assert_array_equal(m.eval(toks), first)
     assert m.backend.graphs.captured(("prompt", 8, False))
+
+
+def test_float_models_keep_float32_prompt_attention(parity_models):
+    """tf32 tensor cores only where the attention weights are quantized (their q8_1
+    activations already cost more precision than tf32 does)."""
+    assert load_model(parity_models["q4_0"]["path"], backend="cuda").backend.attn_tensor_cores
+    assert not load_model(parity_models["f32"]["path"], backend="cuda").backend.attn_tensor_cores

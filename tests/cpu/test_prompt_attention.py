@@ -1,0 +1,85 @@
+"""runtime.prompt_attention without a GPU: which kernel a model's heads get, its shared
+memory, and the numpy arithmetic of the tensor-core kernel (numerics="kernel") against a
+row-by-row version of the same steps and against float64."""
+import numpy as np
+
+from moeforge.runtime.arch_qwen3moe import HParams
+from moeforge.runtime.prompt_attention import ROWS, attention_tf32, kernel_for, smem_bytes, tf32
+
+
+def _hp(n_head, n_head_kv, head_dim):
+    return HParams(n_vocab=32, n_embd=64, n_layer=2, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+                   n_ff_exp=64, n_expert=8, n_expert_used=2, rms_eps=1e-6, rope_base=1e6, n_ctx_train=4096)
+
+
+def test_qwen3_heads_get_tensor_cores_from_sm80():
+    assert kernel_for(_hp(32, 4, 128), "9.0") == "attn_prefill_tc"     # Qwen3-30B-A3B
+    assert kernel_for(_hp(32, 4, 128), "8.0") == "attn_prefill_tc"
+    assert kernel_for(_hp(32, 4, 128), "7.5") == "attn_prefill"
+    assert kernel_for(_hp(32, 4, 128), "9.0", tensor_cores=False) == "attn_prefill"
+
+
+def test_heads_past_the_tensor_core_kernel_fall_back():
+    assert kernel_for(_hp(64, 4, 128), "9.0") == "attn_prefill"         # 16 heads a group
+    assert kernel_for(_hp(6, 3, 36), "9.0") == "attn_prefill"           # width not a multiple of 32
+    assert kernel_for(_hp(8, 8, 256), "9.0") is None                    # wider than 128: cuBLAS
+    assert kernel_for(_hp(34, 1, 64), "9.0") is None                    # 34 heads a group
+    assert kernel_for(_hp(4, 2, 30), "9.0") is None                     # not a multiple of 4
+    assert kernel_for(_hp(6, 4, 64), "9.0") is None                     # groups of unequal size
+
+
+def test_shared_memory_fits_two_blocks_of_qwen3_on_an_h100():
+    hp = _hp(32, 4, 128)
+    assert smem_bytes(hp, "attn_prefill_tc") == 4 * (8 * 16 * 132 + 32 * 132 + 32 * 136)
+    assert smem_bytes(hp, "attn_prefill") == 4 * (8 * 8 * 128 + 2 * 32 * 129 + 2 * 32 * 128 + 8 * 8 * 32)
+    for kernel in ROWS:
+        assert 2 * (smem_bytes(hp, kernel) + 1024) <= 228 * 1024
+    assert smem_bytes(_hp(64, 4, 128), "attn_prefill") <= 227 * 1024
+
+
+def test_tf32_rounds_to_nearest_ties_away():
+    x = np.array([1.0, 1 + 2**-11, 1 + 2**-10 + 2**-12, -1 - 2**-11, 3 * 2**-13], dtype=np.float32)
+    want = np.array([1.0, 1 + 2**-10, 1 + 2**-10, -1 - 2**-10, 3 * 2**-13], dtype=np.float32)
+    np.testing.assert_array_equal(tf32(x), want)
+
+
+def _rows_one_by_one(q, k, v, hp, pos0):
+    n, g, hd = q.shape[0], hp.n_head // hp.n_head_kv, hp.head_dim
+    qs = tf32(q * np.float32(1.0 / np.sqrt(hd) * np.log2(np.e))).astype(np.float64)
+    ks, vs = tf32(k).astype(np.float64), tf32(v).astype(np.float64)
+    out = np.empty((n, hp.q_dim))
+    for t in range(n):
+        for h in range(hp.n_head):
+            c = slice((h // g) * hd, (h // g + 1) * hd)
+            m, total, o = -np.inf, 0.0, np.zeros(hd)
+            for j0 in range(0, pos0 + t + 1, 32):
+                j1 = min(pos0 + t + 1, j0 + 32)
+                s = ks[j0:j1, c] @ qs[t, h * hd:(h + 1) * hd]
+                mn = max(m, s.max())
+                alpha, p = 2.0 ** (m - mn), 2.0 ** (s - mn)
+                total = total * alpha + p.sum()
+                o = o * alpha + tf32(p).astype(np.float64) @ vs[j0:j1, c]
+                m = mn
+            out[t, h * hd:(h + 1) * hd] = o / total
+    return out
+
+
+def test_tf32_emulation_steps_and_accuracy():
+    hp = _hp(8, 2, 32)
+    rng = np.random.default_rng()
+    n, pos0 = 21, 43
+    q = (2 * rng.standard_normal((n, hp.q_dim))).astype(np.float32)
+    k = rng.standard_normal((pos0 + n + 5, hp.kv_dim)).astype(np.float32)
+    v = rng.standard_normal((pos0 + n + 5, hp.kv_dim)).astype(np.float32)
+    got = attention_tf32(q, k, v, hp, pos0)
+    np.testing.assert_allclose(got, _rows_one_by_one(q, k, v, hp, pos0), rtol=0, atol=1e-12)
+    g, hd = 4, 32
+    exact = np.empty_like(got)
+    for t in range(n):
+        for h in range(hp.n_head):
+            c = slice((h // g) * hd, (h // g + 1) * hd)
+            s = k[:pos0 + t + 1, c].astype(np.float64) @ q[t, h * hd:(h + 1) * hd] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            exact[t, h * hd:(h + 1) * hd] = p @ v[:pos0 + t + 1, c] / p.sum()
+    nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
+    assert 1e-12 < nmse < 1e-5, nmse       # tf32's rounding shows, far inside the 5e-4 bar
