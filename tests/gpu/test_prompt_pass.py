@@ -1,5 +1,6 @@
-"""The prompt pass on the GPU (pytest -m gpu): attn_prefill against float64 attention, and a
-prompt ubatch replayed as a CUDA graph bit for bit the eager pass, at other positions too."""
+"""The prompt pass on the GPU (pytest -m gpu): both prompt attention kernels against their
+references, the tiled float product, and a prompt ubatch replayed as a CUDA graph bit for
+bit the eager pass, at other positions too."""
 import warnings
 
 import numpy as np
