@@ -98,6 +98,7 @@ class NumpyBackend(Backend):
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
+        self.attn_tf32 = False       # prompt attention at the GPU's tf32 precision; set by upload
 
     def matrix(self, tref, embedding: bool = False):
         return NpMatrix(tref, self.numerics)
@@ -140,13 +141,14 @@ class NumpyBackend(Backend):
 
     def upload(self, refs, progress=None):
         # numerics="kernel" follows the GPU's prompt attention onto tf32 where it goes there
+        # (on an sm_80+ card, the generations moeforge builds for: codegen.compile.ARCHS)
         self.attn_tf32 = (self.numerics == "kernel" and refs.attention_quantized()
                           and prompt_attention.kernel_for(self.hp, "8.0") == "attn_prefill_tc")
         return super().upload(refs, progress)
 
     def attention(self, cache, il, q, pos, pos0, n, name):
         hp = self.hp
-        if n > 1 and getattr(self, "attn_tf32", False):
+        if n > 1 and self.attn_tf32:
             return prompt_attention.attention_tf32(q, cache.k[il], cache.v[il], hp, pos0).astype(np.float32)
         L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
         K = cache.k[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
