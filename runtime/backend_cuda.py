@@ -69,7 +69,7 @@ class CudaBackend(Backend):
 
     # -- plumbing -----------------------------------------------------------------------------
     def kernel(self, name: str):
-        """A model kernel as fn(grid, block, args). Every one of them waits for the grid
+        """A model kernel as fn(grid, block, args, smem=0). Every one of them waits for the grid
         before it on entry (templates/model.cu.j2, pdl_enter), so in the decode step each is
         launched with PDL where the card has it: its launch overlaps the kernel before, and
         a step of ~600 small kernels loses no launch gaps. Prompt ubatches launch them as
@@ -77,8 +77,8 @@ class CudaBackend(Backend):
         fn = self._kernels.get(name)
         if fn is None:
             k = load(ModelSpec(), name)
-            fn = self._kernels[name] = lambda grid, block, args: k(grid, args, block=block[0], smem=0,
-                                                                   pdl=self._decoding)
+            fn = self._kernels[name] = lambda grid, block, args, smem=0: k(grid, args, block=block[0], smem=smem,
+                                                                            pdl=self._decoding)
         return fn
 
     def ws(self, name: str, shape, dtype=np.float32):
@@ -257,7 +257,7 @@ class CudaBackend(Backend):
                 q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
                 _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
             return out
-        kernel = prompt_attention.kernel_for(hp, self._cc(), self.attn_tensor_cores)
+        kernel = prompt_attention.kernel_for(hp, self._device()["cc"], self.attn_tensor_cores)
         if kernel is not None:
             return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name)
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
@@ -276,12 +276,9 @@ class CudaBackend(Backend):
         out = self.ws(name, (n, hp.q_dim))
         args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
                 _f32(scale * math.log2(math.e)))
-        load(ModelSpec(), kernel)((hp.n_head_kv, -(-n // prompt_attention.ROWS[kernel])), args,
-                                  block=32 * (hp.n_head // hp.n_head_kv), smem=prompt_attention.smem_bytes(hp, kernel), pdl=False)
+        self.kernel(kernel)((hp.n_head_kv, -(-n // prompt_attention.ROWS[kernel])),
+                            (prompt_attention.threads(hp, kernel),), args, smem=prompt_attention.smem_bytes(hp, kernel))
         return out
-
-    def _cc(self) -> str:
-        return device_info(self.cp.cuda.Device().id)["cc"]
 
     def matmul(self, w: GpuWeight, x, name):
         n, k = x.shape
@@ -306,7 +303,7 @@ class CudaBackend(Backend):
         """out = x @ w.T in 32x32 tiles, split over k until the SMs have two blocks each."""
         (n, k), m = x.shape, w.shape[0]
         tiles = -(-m // 32) * -(-n // 32)
-        splits = max(1, min(-(-2 * self._sm_count() // tiles), k // 256))
+        splits = max(1, min(-(-2 * self._device()["sm_count"] // tiles), k // 256))
         kc = -(-k // (splits * 32)) * 32
         splits = -(-k // kc)
         dst = out if splits == 1 else self.ws("dense_partials", (splits, n, m))
@@ -315,8 +312,8 @@ class CudaBackend(Backend):
         if splits > 1:
             self.kernel("dense_f32_reduce")(_grid(n * m), (256,), (dst, out, _i32(splits), np.int64(n * m)))
 
-    def _sm_count(self) -> int:
-        return device_info(self.cp.cuda.Device().id)["sm_count"]
+    def _device(self) -> dict:
+        return device_info(self.cp.cuda.Device().id)
 
     def mul_mat_id(self, w: GpuWeight, x, ids, name):
         n, top_k = ids.shape

@@ -29,6 +29,12 @@ def kernel_for(hp, cc: str, tensor_cores: bool = True) -> str | None:
     return "attn_prefill" if g <= 16 and hd % 4 == 0 else None
 
 
+def threads(hp, kernel: str) -> int:
+    """A block's threads: attn_prefill a warp per query head of the group; attn_prefill_tc
+    eight warps whatever the group (those past it only load keys and values)."""
+    return 256 if kernel == "attn_prefill_tc" else 32 * (hp.n_head // hp.n_head_kv)
+
+
 def smem_bytes(hp, kernel: str) -> int:
     """A block's dynamic shared memory, row strides as in the kernels: attn_prefill holds q
     rows, two key and two value tiles and the probabilities (floats); attn_prefill_tc q rows,

@@ -4,7 +4,7 @@ row-by-row version of the same steps and against float64."""
 import numpy as np
 
 from moeforge.runtime.arch_qwen3moe import HParams
-from moeforge.runtime.prompt_attention import ROWS, attention_tf32, kernel_for, smem_bytes, tf32
+from moeforge.runtime.prompt_attention import ROWS, attention_tf32, kernel_for, smem_bytes, tf32, threads
 
 
 def _hp(n_head, n_head_kv, head_dim):
@@ -26,6 +26,15 @@ def test_heads_past_the_tensor_core_kernel_fall_back():
     assert kernel_for(_hp(34, 1, 64), "9.0") is None                    # 34 heads a group
     assert kernel_for(_hp(4, 2, 30), "9.0") is None                     # not a multiple of 4
     assert kernel_for(_hp(6, 4, 64), "9.0") is None                     # groups of unequal size
+
+
+def test_block_sizes():
+    # the tensor-core kernel keeps eight warps whatever the group: they all load key tiles
+    for heads in ((32, 4, 128), (16, 4, 64), (8, 8, 32)):
+        assert threads(_hp(*heads), "attn_prefill_tc") == 256
+    assert threads(_hp(32, 4, 128), "attn_prefill") == 256
+    assert threads(_hp(16, 4, 64), "attn_prefill") == 128
+    assert threads(_hp(64, 4, 128), "attn_prefill") == 512
 
 
 def test_shared_memory_fits_two_blocks_of_qwen3_on_an_h100():

@@ -47,7 +47,7 @@ CASES = [
     ]])
 def test_attn_prefill_matches_its_references(kernel, heads, pos0, n):
     """attn_prefill against float64 (2e-5); attn_prefill_tc against an emulation of its tf32
-    rounding (2e-4) and against float64 within the design's NMSE bar. Rows poisoned before
+    rounding (median and max, below) and against float64 within the design's NMSE bar. Rows poisoned before
     the launch, the same bits on a second launch."""
     import cupy as cp
 
@@ -55,7 +55,7 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n):
     hp = _hp(*heads)
     B = CudaBackend(hp)
     B.attn_tensor_cores = kernel == "attn_prefill_tc"
-    if kernel_for(hp, B._cc(), B.attn_tensor_cores) != kernel:
+    if kernel_for(hp, B._device()["cc"], B.attn_tensor_cores) != kernel:
         pytest.skip(f"{kernel} does not run here (tensor cores need sm_80)")
     rng = np.random.default_rng()
     ctx = pos0 + n + 7
@@ -81,8 +81,15 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n):
         return
     # the cache beyond the prompt's positions is never read: the emulation sees up to pos0 + n
     emul = attention_tf32(q, kc, vc, hp, pos0)
-    err = np.abs(got - emul).max()
-    assert err < 2e-4 * max(1.0, np.abs(emul).max()), f"max abs error {err:.2e} against the tf32 emulation"
+    # Not bit for bit: a probability within float32 noise of a tf32 rounding boundary can round
+    # the other way in the kernel (its sums and exp2 are float32), moving its row by up to 2^-11
+    # of that probability times v. So: typical elements at float32 noise (the wrong rounding
+    # mode on one operand puts the median near 1e-4), and no element off by more than a few
+    # such flips.
+    err = np.abs(got - emul)
+    median = np.median(err) / max(1.0, np.abs(emul).max())
+    assert median < 1e-6, f"median error {median:.2e} (relative) against the tf32 emulation"
+    assert err.max() < 2.0 ** -9 * np.abs(vc).max(), f"max abs error {err.max():.2e} against the tf32 emulation"
     nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
     assert nmse < 5e-4, f"NMSE {nmse:.2e} against float64"
 
