@@ -257,7 +257,8 @@ class CudaBackend(Backend):
                 q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
                 _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
             return out
-        kernel = prompt_attention.kernel_for(hp, self._device()["cc"], self.attn_tensor_cores)
+        info = self._device()
+        kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_tensor_cores, info["smem_per_block_optin"])
         if kernel is not None:
             return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name)
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv

@@ -55,7 +55,8 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n):
     hp = _hp(*heads)
     B = CudaBackend(hp)
     B.attn_tensor_cores = kernel == "attn_prefill_tc"
-    if kernel_for(hp, B._device()["cc"], B.attn_tensor_cores) != kernel:
+    info = B._device()
+    if kernel_for(hp, info["cc"], B.attn_tensor_cores, info["smem_per_block_optin"]) != kernel:
         pytest.skip(f"{kernel} does not run here (tensor cores need sm_80)")
     rng = np.random.default_rng()
     ctx = pos0 + n + 7
