@@ -25,6 +25,7 @@ from .tensor import QuantTensor
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 SMALL_N = 16    # float products up to this many tokens use dense_f32 (a warp per output), past it tiles
+QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model.cu.j2)
 
 
 class GpuWeight:
@@ -63,6 +64,7 @@ class CudaBackend(Backend):
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
         self.attn_tensor_cores = True  # prompt attention on tf32 (runtime.prompt_attention); see upload
+        self.attn_tile_buffers = None  # its key tiles: 1 or 2 (None: as the card's shared memory allows)
 
     def context(self):
         return self.stream
@@ -206,9 +208,12 @@ class CudaBackend(Backend):
             self._pending_qk = (q.data.ptr, k, v, L.q_norm, L.k_norm)
             return
         self._pending_qk = None
-        self.kernel("qk_norm_rope_store")((hp.n_head + hp.n_head_kv, n), (max(32, 32 * -(-hp.head_dim // 64)),), (
+        if hp.head_dim > QK_HEAD_DIM_MAX:
+            raise ValueError(f"head_dim {hp.head_dim}: qk_norm_rope_store takes at most {QK_HEAD_DIM_MAX}")
+        # a warp per (head, token), 8 a block
+        self.kernel("qk_norm_rope_store")((-(-(hp.n_head + hp.n_head_kv) * n // 8),), (256,), (
             q, k, v, L.q_norm, L.k_norm, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv),
-            _i32(hp.head_dim), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base))))
+            _i32(hp.head_dim), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)), _i32(n)))
 
     def add_rms_norm_(self, x, y, w, eps, name):
         out = self.ws(name, x.shape)
@@ -277,8 +282,13 @@ class CudaBackend(Backend):
         out = self.ws(name, (n, hp.q_dim))
         args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
                 _f32(scale * math.log2(math.e)))
+        smem = prompt_attention.smem_bytes(hp, kernel)
+        if kernel == "attn_prefill_tc":
+            bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, self._device()["smem_per_block_optin"])
+            args += (_i32(bufs),)
+            smem = prompt_attention.smem_bytes(hp, kernel, bufs)
         self.kernel(kernel)((hp.n_head_kv, -(-n // prompt_attention.ROWS[kernel])),
-                            (prompt_attention.threads(hp, kernel),), args, smem=prompt_attention.smem_bytes(hp, kernel))
+                            (prompt_attention.threads(hp, kernel),), args, smem=smem)
         return out
 
     def matmul(self, w: GpuWeight, x, name):

@@ -25,7 +25,7 @@ def kernel_for(hp, cc: str, tensor_cores: bool = True, smem_limit: int | None = 
     if hp.n_head % hp.n_head_kv or hp.head_dim > 128:
         return None
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
-    fits = lambda kernel: smem_limit is None or smem_bytes(hp, kernel) <= smem_limit  # noqa: E731
+    fits = lambda kernel: smem_limit is None or smem_bytes(hp, kernel, bufs=1) <= smem_limit  # noqa: E731
     if tensor_cores and int(cc.split(".")[0]) >= 8 and g <= 8 and hd % 32 == 0 and fits("attn_prefill_tc"):
         return "attn_prefill_tc"
     return "attn_prefill" if g <= 16 and hd % 4 == 0 and fits("attn_prefill") else None
@@ -38,15 +38,21 @@ def threads(hp, kernel: str) -> int:
     return 512 if kernel == "attn_prefill_tc" else 32 * (hp.n_head // hp.n_head_kv)
 
 
-def smem_bytes(hp, kernel: str) -> int:
+def smem_bytes(hp, kernel: str, bufs: int = 2) -> int:
     """A block's dynamic shared memory, row strides as in the kernels: attn_prefill holds q
     rows, two key and two value tiles and the probabilities (floats); attn_prefill_tc q rows
-    (tf32) and two 64-key tiles of keys and values (float32)."""
+    (tf32) and `bufs` 64-key tiles of keys and values (float32)."""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     rows = ROWS[kernel]
     if kernel == "attn_prefill_tc":
-        return 4 * (g * rows * (hd + 4) + 2 * KEYS * (hd + 4) + 2 * KEYS * (hd + 8))
+        return 4 * (g * rows * (hd + 4) + bufs * KEYS * (hd + 4) + bufs * KEYS * (hd + 8))
     return 4 * (g * rows * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * rows * 32)
+
+
+def tile_buffers(hp, smem_limit: int) -> int:
+    """attn_prefill_tc's key tiles: two (the next copied while this one is used) where a block
+    has the room, else one."""
+    return 2 if smem_bytes(hp, "attn_prefill_tc", bufs=2) <= smem_limit else 1
 
 
 def tf32(a) -> np.ndarray:

@@ -5,7 +5,7 @@ import numpy as np
 
 from moeforge.runtime.arch_qwen3moe import HParams
 from moeforge.runtime.prompt_attention import (attention_tf32, kernel_for, smem_bytes, tf32, tf32_truncated,
-                                              threads)
+                                              threads, tile_buffers)
 
 
 def _hp(n_head, n_head_kv, head_dim):
@@ -50,7 +50,10 @@ def test_shared_memory_of_qwen3_heads():
 def test_a_card_with_less_shared_memory_gets_a_kernel_that_fits():
     hp = _hp(32, 4, 128)
     assert kernel_for(hp, "9.0", smem_limit=227 * 1024) == "attn_prefill_tc"
-    assert kernel_for(hp, "8.0", smem_limit=163 * 1024) == "attn_prefill"       # A100
+    assert tile_buffers(hp, 227 * 1024) == 2                                    # H100: double-buffered
+    assert kernel_for(hp, "8.0", smem_limit=163 * 1024) == "attn_prefill_tc"
+    assert tile_buffers(hp, 163 * 1024) == 1                                    # A100: one tile
+    assert smem_bytes(hp, "attn_prefill_tc", bufs=1) <= 163 * 1024 < smem_bytes(hp, "attn_prefill_tc")
     assert kernel_for(hp, "8.6", smem_limit=99 * 1024) is None                  # cuBLAS then
     assert kernel_for(_hp(8, 8, 32), "8.6", smem_limit=99 * 1024) == "attn_prefill_tc"
 

@@ -40,12 +40,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel,heads,pos0,n", [("attn_prefill_tc", *c) for c in CASES] + [
-    ("attn_prefill", *c) for c in CASES + [
+@pytest.mark.parametrize("kernel,heads,pos0,n,bufs", [("attn_prefill_tc", *c, None) for c in CASES] + [
+    ("attn_prefill_tc", (32, 4, 128), 301, 45, 1),    # one key tile buffer, as on an A100
+    ("attn_prefill_tc", (8, 8, 32), 70, 9, 1),
+] + [
+    ("attn_prefill", *c, None) for c in CASES + [
         ((64, 4, 128), 33, 19),  # 16 query heads a group (Qwen3-235B): only the FMA kernel
         ((6, 3, 36), 5, 40),     # head width a multiple of 4, not of 32
     ]])
-def test_attn_prefill_matches_its_references(kernel, heads, pos0, n):
+def test_attn_prefill_matches_its_references(kernel, heads, pos0, n, bufs):
     """attn_prefill against float64 (2e-5); attn_prefill_tc against an emulation of its tf32
     rounding (median and max, below) and against float64 within the design's NMSE bar. Rows poisoned before
     the launch, the same bits on a second launch."""
@@ -55,6 +58,7 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n):
     hp = _hp(*heads)
     B = CudaBackend(hp)
     B.attn_tensor_cores = kernel == "attn_prefill_tc"
+    B.attn_tile_buffers = bufs
     info = B._device()
     if kernel_for(hp, info["cc"], B.attn_tensor_cores, info["smem_per_block_optin"]) != kernel:
         pytest.skip(f"{kernel} does not run here (tensor cores need sm_80)")
