@@ -25,7 +25,7 @@ from .tensor import QuantTensor
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 SMALL_N = 16    # float products up to this many tokens use dense_f32 (a warp per output), past it tiles
-QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model.cu.j2)
+QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model_tokens.cuh.j2)
 
 
 class GpuWeight:
@@ -204,7 +204,7 @@ class CudaBackend(Backend):
         hp = self.hp
         n = q.shape[0]
         if n == 1 and self._decoding and self.fuse_qk_rope and hp.head_dim <= ModelSpec().max_head_dim:
-            # the decode attention right after does it (model.cu.j2, attn_decode): one launch less
+            # the decode attention right after does it (attn_decode.cuh.j2): one launch less
             self._pending_qk = (q.data.ptr, k, v, L.q_norm, L.k_norm)
             return
         self._pending_qk = None
