@@ -32,7 +32,7 @@ class PassGraphs:
         self.cp, self.stream, self.max_entries = cp, stream, max_entries
         self.enabled = True
         self._entries: OrderedDict = OrderedDict()
-        self._warm: dict = {}              # key -> layout after its last eager run
+        self._warm: OrderedDict = OrderedDict()   # key -> layout after its last eager run (recent ones)
         self._refused: set = set()
 
     def captured(self, key) -> bool:
@@ -52,6 +52,9 @@ class PassGraphs:
         if key in self._refused or self._warm.get(key) != now:
             out = forward()
             self._warm[key] = layout()
+            self._warm.move_to_end(key)
+            while len(self._warm) > 4 * self.max_entries:   # prompt sizes seen once each
+                self._warm.popitem(last=False)
             return out
         try:
             graph, out = self._capture(forward)
@@ -62,6 +65,7 @@ class PassGraphs:
             self._refused.add(key)
             self._entries.pop(key, None)
             return forward()
+        self._warm.pop(key, None)
         self._entries[key] = _Entry(graph, now, out)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:

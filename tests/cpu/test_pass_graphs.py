@@ -121,3 +121,20 @@ def test_disabled_runs_eagerly_and_entries_are_bounded():
     g.run("a", lambda: 0, passes["a"])
     g.run("a", lambda: 0, passes["a"])
     assert passes["b"].eager == before + 1 and not g.captured("a")
+
+
+def test_passes_run_once_each_leave_a_bounded_trace():
+    # a prompt of every length from 1 to 100 tokens: each key runs once, eagerly; only the
+    # most recent ones are remembered for a capture on their second run
+    cp, stream, g = _setup()
+    for n in range(1, 101):
+        g.run(("prompt", n), lambda: 0, Pass(cp, stream, f"p{n}"))
+    assert len(g._warm) <= 4 * g.max_entries
+    again = Pass(cp, stream, "p100")
+    g.run(("prompt", 100), lambda: 0, again)       # recent: captured on this second run
+    assert g.captured(("prompt", 100)) and again.eager == 0 and ("prompt", 100) not in g._warm
+    early = Pass(cp, stream, "p1")
+    g.run(("prompt", 1), lambda: 0, early)         # forgotten: eager again, captured next time
+    assert not g.captured(("prompt", 1)) and early.eager == 1
+    g.run(("prompt", 1), lambda: 0, early)
+    assert g.captured(("prompt", 1)) and early.eager == 1
