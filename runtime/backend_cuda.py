@@ -265,7 +265,7 @@ class CudaBackend(Backend):
         info = self._device()
         kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_tensor_cores, info["smem_per_block_optin"])
         if kernel is not None:
-            return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name)
+            return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"])
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
         g = hp.n_head // hkv
         # other head shapes: cuBLAS on views (CuPy temporaries: such a pass is not captured)
@@ -277,14 +277,14 @@ class CudaBackend(Backend):
         o = cp.matmul(p, V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
         return cp.ascontiguousarray(o.reshape(n, hp.q_dim))
 
-    def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name):
+    def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name, smem_limit: int):
         hp = self.hp
         out = self.ws(name, (n, hp.q_dim))
         args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
                 _f32(scale * math.log2(math.e)))
         smem = prompt_attention.smem_bytes(hp, kernel)
         if kernel == "attn_prefill_tc":
-            bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, self._device()["smem_per_block_optin"])
+            bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, smem_limit)
             args += (_i32(bufs),)
             smem = prompt_attention.smem_bytes(hp, kernel, bufs)
         self.kernel(kernel)((hp.n_head_kv, -(-n // prompt_attention.ROWS[kernel])),

@@ -4,10 +4,10 @@ arithmetic of the tensor-core one in numpy (what numerics="kernel" reproduces).
 attn_prefill_tc (templates/attn_prefill.cuh.j2) runs on tf32 tensor cores: q (scaled by
 scale * log2 e in float32) and the probabilities are rounded to 10-bit mantissas, keys and
 values truncated to them (the tensor cores read their float32 as it is); sums are float32,
-the softmax online in base 2, in two halves of each tile merged at the end. It is used where the attention
-weights are quantized: their q8_1 activations already cost more than tf32 does, and it is
-the precision llama.cpp's flash attention works at (f16). Float models keep attn_prefill,
-float32 throughout.
+the softmax online in base 2, in two halves of each tile merged at the end. It is used
+where the attention weights are quantized: their q8_1 activations already cost more than
+tf32 does, and it is the precision llama.cpp's flash attention works at (f16). Float models
+keep attn_prefill, float32 throughout.
 """
 from __future__ import annotations
 
