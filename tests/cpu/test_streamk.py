@@ -67,3 +67,18 @@ def test_sums_are_right_and_order_is_fixed():
         for tile, parts in streamk.fixups(tiles, iters, grid).items():
             out[tile] = sum(partial[bs] for bs in parts)
         assert out == {t: sum(value[(t, k)] for k in range(iters)) for t in range(tiles)}
+
+
+@pytest.mark.parametrize("tiles,iters", WORK)
+def test_fixup_parts_bound(tiles, iters):
+    """The fixup kernel keeps one offset per block meeting a tile, at most MAX_PARTS: with a
+    grid of at most one block per unit a tile meets at most iters + 1 blocks."""
+    units = tiles * iters
+    for grid in range(1, units + 1):
+        most = max(streamk.blocks_of_tile(t, iters, units, grid) for t in range(tiles))
+        assert most <= iters + 1
+        streamk.check_split(iters, units, grid)
+    with pytest.raises(ValueError, match="grid"):
+        streamk.check_split(iters, units, units + 1)
+    with pytest.raises(ValueError, match="MAX_PARTS|blocks"):
+        streamk.check_split(streamk.MAX_PARTS, 10**6, 132)
