@@ -69,11 +69,15 @@ def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool | 
     experts and 128 tokens x top-8, each expert sees ~8 tokens and a 64-wide tile would
     be mostly empty (where llama.cpp loses most of its time). Twice the mean leaves room
     for the experts above it; the H100 sweep found no gain from stream-k for MoE tiles.
-    Dense products (one "expert", regular tiles) keep stream-k for their last wave."""
+    Dense products (one "expert", regular tiles) keep stream-k for their last wave.
+    Past 16 tokens a tile is 32 wide: H100, same call, hot (BENCHMARKS.md), 64-wide tiles
+    against 32 (y128, 4 warps, 8 k-blocks, 2 stages): dense 4096x2048 n=512 q8_0 116.6 ->
+    83.5 us, n=2048 373.8 -> 274.9 (a 64-wide q8_0 stage pair fills an SM's shared memory);
+    q4_0 n=2048 on Qwen3's gate_up, 128 tokens an expert, 727.5 -> 686.4, q8_0 1177.0 -> 908.1."""
     if ids:
-        x = 64 if tokens_per_tile >= 128 else _pow2_at_least(2 * tokens_per_tile, 8, 32)
+        x = 64 if tokens_per_tile >= 256 else _pow2_at_least(2 * tokens_per_tile, 8, 32)
     else:
-        x = _pow2_at_least(tokens_per_tile, 16, 64)
+        x = _pow2_at_least(tokens_per_tile, 16, 32)
     sk = (not ids) if stream_k is None else stream_k
     return MmqSpec(qtype, x=x, y=128, warps=4, kblocks=8, stages=2, ids=ids, stream_k=sk)
 
