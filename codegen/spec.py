@@ -110,6 +110,9 @@ class MmqSpec(KernelSpec):
     are launch forms the runtime applies to a tuned tile (runtime.ops.mmq_launch_form); off,
     the source is the one the shipped profiles were tuned with. direct: one block per (expert,
     row tile) finds the expert's tokens in ids itself: no routing launch (small batches).
+    lean: the block walks its units with counters and looks a tile's x rows up once (no
+    runtime divisions per unit): the same copies, the same bits, fewer instructions; a launch
+    form as well (runtime.ops.lean_form) until the profiles are next tuned.
     """
     family: ClassVar[str] = "mmq"
     template: ClassVar[str] = "mmq.cu.j2"
@@ -124,6 +127,7 @@ class MmqSpec(KernelSpec):
     evict_first: bool = False
     pdl: bool = False
     direct: bool = False
+    lean: bool = False
 
     @property
     def quant(self) -> QuantType:
@@ -136,11 +140,17 @@ class MmqSpec(KernelSpec):
         ef = "-ef" if self.evict_first else ""
         pdl = "-pdl" if self.pdl else ""
         dr = "-dr" if self.direct else ""
-        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}{sk}{ef}{pdl}{dr}"
+        ln = "-ln" if self.lean else ""
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}{sk}{ef}{pdl}{dr}{ln}"
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def x_row_slots(self) -> int:
+        """Registers a thread of the lean form keeps for a tile's x rows (its x copies)."""
+        return -(-self.x * self.kblocks * 2 // self.threads) + -(-self.x * (self.kblocks // 2) // self.threads)
 
     def check(self) -> None:
         q = self.quant

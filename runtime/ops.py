@@ -151,10 +151,29 @@ def _prepare(ids, E: int, tile_x: int, x2d, pdl: bool = False):
     return (rows, tiles, ntt, eoff, max_tiles), (xq, xds, nbp)
 
 
+# The lean form keeps a tile's x rows in registers; past this many a thread the extra
+# registers cost more than the divisions they save (H100: q8_0 x128 y128 8 warps, 10 slots,
+# 1050 -> 1092 us where the 5-slot tiles gained 9-22%).
+LEAN_MAX_ROW_SLOTS = 8
+
+
+def lean_form(spec: MmqSpec) -> MmqSpec:
+    """How every MMQ tile is launched: its lean form (MmqSpec.lean) where the tile keeps at
+    most LEAN_MAX_ROW_SLOTS x rows a thread. Bitwise the same output. H100, same call, hot
+    (BENCHMARKS.md): q4_0 Qwen3 gate_up (1536x2048) n=512 234.6 -> 207.3 us, n=2048 682.5 ->
+    605.3; dense 2048x4096 n=512 76.4 -> 67.3; q8_0 gate_up n=512 316.4 -> 263.1."""
+    if spec.lean or spec.x_row_slots > LEAN_MAX_ROW_SLOTS:
+        return spec
+    return dataclasses.replace(spec, lean=True)
+
+
 def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr: int, m: int,
          rows, tiles, ntt, max_tiles: int, n_dense: int, x_div: int, xq_ptr=None, xds_ptr=None):
     """One MMQ launch (and its stream-k fixup). Dense when rows/tiles are None. Direct
-    routing (spec.direct): rows is ids, max_tiles the column slots, n_dense the entry count."""
+    routing (spec.direct): rows is ids, max_tiles the column slots, n_dense the entry count.
+    The tile runs in its lean form (lean_form) unless MMQ_LEAN is off."""
+    if MMQ_LEAN:
+        spec = lean_form(spec)
     kern = load(spec)
     info = device_info(require_gpu().cuda.Device().id)
     n_mt = -(-m // spec.y)
@@ -235,6 +254,7 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
 
 # -- the products -------------------------------------------------------------------------
 MMQ_LAUNCH_FORMS = True     # tests compare against the plain launches
+MMQ_LEAN = True             # tests compare the lean form against the plain one
 
 
 # Direct routing pays off while experts get at most this many tokens each on average

@@ -213,3 +213,28 @@ def test_direct_routing_renders_only_when_asked_and_compiles():
         MmqSpec("q4_0", x=8, y=128, warps=4, stream_k=True, direct=True).check()
     with pytest.raises(ValueError, match="MUL_MAT_ID"):
         MmqSpec("q4_0", x=8, y=128, warps=4, stream_k=False, ids=False, direct=True).check()
+
+
+def test_lean_form_rule_and_source():
+    """Every MMQ tile launches in its lean form unless its x rows take more than
+    LEAN_MAX_ROW_SLOTS registers a thread; the lean source differs only in the unit walk
+    and compiles for sm_80 and sm_90 without spilling."""
+    import dataclasses
+    from moeforge.codegen import compile as cmod
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import ops
+    small = MmqSpec("q4_0", x=32, y=128, warps=4, kblocks=8, stages=2, stream_k=False)
+    big = MmqSpec("q8_0", x=128, y=128, warps=8, kblocks=8, stages=2, stream_k=False)
+    assert small.x_row_slots == 5 and big.x_row_slots == 10
+    assert ops.lean_form(small) == dataclasses.replace(small, lean=True)
+    assert ops.lean_form(big) is big
+    assert ops.lean_form(ops.lean_form(small)) == ops.lean_form(small)
+    lean = ops.lean_form(small)
+    assert lean.name == small.name + "-ln"
+    assert "Cursor" in cmod.render(lean) and "Cursor" not in cmod.render(small)
+    for spec in (lean, dataclasses.replace(lean, ids=False, stream_k=True),
+                 dataclasses.replace(lean, x=8, direct=True, pdl=True, evict_first=True)):
+        for arch in ("sm_80", "sm_90"):
+            _, log = cmod.nvrtc_compile(cmod.render(spec), spec.name, arch)
+            info = cmod.parse_ptxas(log)[spec.symbol]
+            assert info["spill_stores"] == 0, (spec.name, arch, info)

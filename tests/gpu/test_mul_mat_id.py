@@ -337,3 +337,44 @@ def test_down_product_adding_its_weighted_sum(rng, qtype, n, top_k, E, m, k):
             s = (wts[t, j].astype(np.float64) * yh[t, j] + s).astype(np.float32)
         want[t] = want[t] + s
     np.testing.assert_allclose(g, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("case", ["dense-sk", "routed", "routed-sk", "direct", "per-slot-x"])
+def test_lean_form_changes_no_bit(rng, qtype, case, monkeypatch):
+    """The lean unit walk (counters instead of divisions, a tile's x rows looked up once)
+    against the plain tile: the same bits on odd sizes, skewed routing, tiles that cross
+    stream-k blocks, direct routing and x of one row per slot (x_div 1)."""
+    import cupy as cp
+    import moeforge
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import dispatch, ops
+    monkeypatch.setattr(ops, "MMQ_LAUNCH_FORMS", False)   # the spec exactly as written here
+    outs = {}
+    if case == "dense-sk":
+        m, k, n = 333, 416, 157
+        raw = ref.random_blocks(qtype, m, k, rng)
+        w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        spec = MmqSpec(qtype, x=32, y=64, warps=4, kblocks=4, stages=3, ids=False, stream_k=True)
+        for lean in (False, True):
+            monkeypatch.setattr(ops, "MMQ_LEAN", lean)
+            out = cp.full((n, m), cp.nan, dtype=cp.float32)
+            ops.run_mul_mat(w, cp.asarray(x), out, dispatch.Choice("mmq", spec))
+            outs[lean] = out.get()
+        assert ref.nmse(outs[True], ref.mul_mat_emulated(raw, qtype, (m, k), x)) <= NMSE_EMULATED
+        assert ref.nmse(outs[True], ref.mul_mat_float(ref.dequantize(raw, qtype, (m, k)), x)) <= NMSE_FLOAT
+    else:
+        E, top_k, m, k, n = 48, 6, 200, 544, 131
+        raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, per_slot=case == "per-slot-x", skew=True)
+        tx = 8 if case == "direct" else 16
+        spec = MmqSpec(qtype, x=tx, y=64, warps=2, kblocks=8, stages=2, stream_k=case == "routed-sk",
+                       direct=case == "direct", pdl=case == "direct")
+        for lean in (False, True):
+            monkeypatch.setattr(ops, "MMQ_LEAN", lean)
+            out = cp.full((n, top_k, m), cp.nan, dtype=cp.float32)
+            ops.run_mul_mat_id(w, xd, idsd, out, dispatch.Choice("mmq_id", spec))
+            outs[lean] = out.get()
+        _check(raw, qtype, (E, m, k), x, ids, cp.asarray(outs[True]))
+    assert np.isfinite(outs[True]).all()
+    np.testing.assert_array_equal(outs[False], outs[True])
