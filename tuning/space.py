@@ -224,12 +224,25 @@ def default_choice(key: TuneKey) -> Choice:
     return dispatch.default_mul_mat(key.qtype, m, k, key.n)
 
 
+def incumbent(key: TuneKey) -> Choice | None:
+    """What the active profile runs for this bucket now (None without one)."""
+    from ..runtime.profiles_hook import lookup
+    E, top_k, m, k = key.shape
+    found = lookup(key.op, key.qtype, (E, top_k, m, k), key.n)
+    return Choice(found.path, found.spec, "tuned") if found is not None else None
+
+
 def seeds(space: Space) -> list[Choice]:
     """Enqueued before the sampler runs: the default first (a short budget never ends worse
-    than it), then the default-like choice of every other path, so that the path question
-    (where per-expert starts to win, where mat-vec stops) is answered in every study."""
+    than it), then what the active profile runs for the bucket (a short re-tune never ends
+    worse than the entry it replaces: both are timed in the same study), then the
+    default-like choice of every other path, so that the path question (where per-expert
+    starts to win, where mat-vec stops) is answered in every study."""
     default = default_choice(space.key)
     out = [default]
+    held = incumbent(space.key)
+    if held is not None and held.spec != default.spec and space.lookup(params_of(held)) is not None:
+        out.append(held)
     k = space.key
     for path in space.paths:
         if path == default.path:
@@ -240,6 +253,6 @@ def seeds(space: Space) -> list[Choice]:
             t = k.tokens_per_expert if path != "mmq" else k.n
             spec = dispatch.default_mmq(k.qtype, t, ids=path == "mmq_id")
         c = Choice(path, spec, "tuned")
-        if space.lookup(params_of(c)) is not None:
+        if space.lookup(params_of(c)) is not None and all(c.spec != o.spec for o in out):
             out.append(c)
     return out

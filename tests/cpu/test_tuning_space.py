@@ -33,6 +33,30 @@ def test_candidates_are_generated_instances_and_the_default_is_there(qtype, n):
         assert s.lookup(params_of(c)).spec == c.spec
 
 
+def test_the_profile_entry_is_measured_again(monkeypatch):
+    """A re-tune seeds the bucket's current profile choice right after the default, so a
+    short budget cannot replace an entry by something it never compared with it."""
+    from moeforge.runtime import profiles_hook
+    key = TuneKey("mul_mat_id", "q8_0", QWEN, 2048)
+    s = build(key)
+    held = next(c for c in s.choices if c.path == "mmq_id" and c.spec != default_choice(key).spec)
+    asked = []
+
+    def lookup(op, qtype, shape, n):
+        asked.append((op, qtype, shape, n))
+        return Choice(held.path, held.spec, "profile")
+
+    monkeypatch.setattr(profiles_hook, "_lookup", lookup)
+    got = seeds(s)
+    assert asked == [("mul_mat_id", "q8_0", QWEN, 2048)]
+    assert got[0].spec == default_choice(key).spec and got[1].spec == held.spec
+    assert len({c.spec for c in got}) == len(got)
+    monkeypatch.setattr(profiles_hook, "_lookup", lambda *a: Choice("mmq_id", default_choice(key).spec, "profile"))
+    assert [c.spec for c in seeds(s)].count(default_choice(key).spec) == 1
+    monkeypatch.setattr(profiles_hook, "_lookup", None)
+    assert seeds(s)[0].spec == default_choice(key).spec
+
+
 def test_mmvq_only_within_its_limits():
     assert "mmvq" in build(TuneKey("mul_mat_id", "q4_0", QWEN, 8)).paths
     assert "mmvq" in build(TuneKey("mul_mat_id", "q4_0", (16, 16, 64, 256), 8)).paths  # routing tiles: any top_k
