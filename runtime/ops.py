@@ -183,7 +183,7 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
     ptr = lambda a: a.data.ptr if a is not None else 0  # noqa: E731
     if spec.stream_k:
         grid = streamk.default_grid(info["sm_count"], max(1, kern.blocks_per_sm), max_tiles * n_mt * iters)
-        streamk.check_split(iters, max_tiles * n_mt * iters, grid)
+        streamk.check_split(iters)
         partials = WORKSPACE.get("partials", grid * 2 * spec.x * spec.y * 4, np.float32)
     else:
         grid, partials = max_tiles * n_mt, None

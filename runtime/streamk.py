@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Partials the fixup kernel can add for one tile (util.cu.j2 SK_MAX_PARTS): with a grid of
-# at most one block per unit, a tile of `iters` units meets at most iters + 1 blocks.
+# Partials the fixup kernel can add for one tile (util.cu.j2 SK_MAX_PARTS): only blocks that
+# hold units have partials, and at most `iters` of them meet a tile, whatever the grid.
 MAX_PARTS = 1024
 
 
@@ -79,17 +79,9 @@ def fixups(tiles: int, iters: int, grid: int) -> dict[int, list[tuple[int, int]]
     return out
 
 
-def blocks_of_tile(tile: int, iters: int, units: int, grid: int) -> int:
-    """How many blocks' ranges meet the tile (empty ones included): the fixup's loop."""
-    t0 = tile * iters
-    return block_of_unit(t0 + iters - 1, units, grid) - block_of_unit(t0, units, grid) + 1
-
-
-def check_split(iters: int, units: int, grid: int) -> None:
+def check_split(iters: int) -> None:
     """The launcher's guard: the fixup holds at most MAX_PARTS partial offsets a tile."""
-    if grid > units:
-        raise ValueError(f"stream-k grid of {grid} blocks for {units} units")
-    if iters + 1 > MAX_PARTS:
+    if iters > MAX_PARTS:
         raise ValueError(f"a tile of {iters} k-chunks may be split over more than {MAX_PARTS} blocks")
 
 

@@ -123,15 +123,18 @@ def test_repeated_calls_bitwise_identical(rng, qtype):
             assert np.array_equal(first.view(np.uint32), again.view(np.uint32)), choice.spec.name
 
 
-def test_streamk_grid_sizes(rng):
+@pytest.mark.parametrize("m,n", [(136, 77), (60, 5)])
+def test_streamk_grid_sizes(rng, m, n):
     """Stream-k over many grid sizes: the fixup must add the right partials to the right
-    tokens whatever the SM count (llama.cpp PR 17089)."""
+    tokens whatever the SM count (llama.cpp PR 17089). With 5 tokens the routing fills
+    fewer tiles than the launch plans for, so the grid has more blocks than units and
+    empty blocks lie between a tile's partials."""
     import cupy as cp
     from moeforge.codegen.spec import MmqSpec
     from moeforge.runtime import ops
     from moeforge.runtime.dispatch import Choice
     import moeforge
-    qtype, E, top_k, m, k, n = "q4_0", 16, 4, 136, 544, 77
+    qtype, E, top_k, k = "q4_0", 16, 4, 544
     raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, skew=True)
     spec = MmqSpec(qtype, x=16, y=64, warps=4, stages=2, stream_k=True)
     real = ops.device_info
