@@ -136,3 +136,19 @@ def test_path_rules_refuse_mismatched_specs():
     assert sp.path_allows("mul_mat_id", "mmq", mmq, QWEN, 512) is not None           # no such path
     assert sp.path_allows("mul_mat_id", "mmvq", MmvqSpec("q4_0", act="silu"), QWEN, 1) is not None
     assert sp.path_allows("mul_mat_id", "mmq_id", Choice("x", mmvq).spec, QWEN, 1) is not None
+
+
+def test_every_shipped_entry_can_be_seeded(monkeypatch):
+    """A re-tune of any shipped bucket measures the shipped choice again: each entry's
+    choice is in its bucket's space and comes out of seeds() when it is the incumbent."""
+    from pathlib import Path
+
+    import moeforge
+    from moeforge.runtime import profiles_hook
+    from moeforge.tuning.profile import load
+    files = sorted((Path(moeforge.__file__).parent / "profiles").glob("*.yaml"))
+    assert files
+    for f in files:
+        for key, e in load(f).entries.items():
+            monkeypatch.setattr(profiles_hook, "_lookup", lambda *a, e=e: Choice(e.path, e.spec, "profile"))
+            assert any(c.spec == e.spec for c in seeds(build(key))), (f.name, key.label, e.spec.name)
