@@ -33,6 +33,17 @@ class GpuWeight:
         self.qtype, self.shape, self.q, self.f = qtype, tuple(shape), q, f
 
 
+class GluProducts:
+    """The expert gate|up products (n, top_k, 2 n_ff) standing for SiLU(gate) * up, which
+    only the down product reads: its quantizer computes the activation as it quantizes
+    (ops.run_mul_mat_id, glu), so no launch and no buffer hold it. Same bits as the swiglu
+    kernel. `choice` is the down product's path, one that quantizes x in its own launch."""
+
+    def __init__(self, gu, choice: dispatch.Choice):
+        self.gu, self.choice = gu, choice
+        self.shape = (*gu.shape[:-1], gu.shape[-1] // 2)
+
+
 def _grid(total: int, block: int = 256) -> tuple[int]:
     return (max(1, -(-int(total) // block)),)
 
@@ -62,6 +73,7 @@ class CudaBackend(Backend):
         self._waited_ids = None      # (ids pointer, output pointer) of the last expert gate/up
         self.fuse_qk_rope = True     # at decode attention normalises, rotates and stores q and k itself
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
+        self.fuse_glu_quant = True     # past decode sizes the down product's quantizer applies SwiGLU
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
         self.attn_tensor_cores = True  # prompt attention on tf32 (runtime.prompt_attention); see upload
         self.attn_tile_buffers = None  # its key tiles: 1 or 2 (None: as the card's shared memory allows)
@@ -330,6 +342,11 @@ class CudaBackend(Backend):
         n, top_k = ids.shape
         E, m, k = w.shape
         out = self.ws(name, (n, top_k, m))
+        if isinstance(x, GluProducts):
+            if w.q is None or x.shape != (n, top_k, k):
+                raise ValueError(f"{name}: gate|up products of shape {x.gu.shape} cannot feed {w.qtype} {w.shape}")
+            ops.run_mul_mat_id(w.q, x.gu, ids, out, x.choice, glu=True)
+            return out
         if w.q is not None:
             # the down product right after the expert gate/up, whose launch waited for the
             # router: its quantizer may release the product at once (ops._mmvq)
@@ -346,10 +363,17 @@ class CudaBackend(Backend):
 
     def expert_gate_up(self, L, x, ids, name):
         """Decoding (n <= 8, quantized experts): one fused mat-vec launch reads gate and up
-        and applies SiLU, instead of a product, a round trip through memory and a kernel."""
+        and applies SiLU, instead of a product, a round trip through memory and a kernel.
+        Larger batches with merged gate/up: the product alone, its SiLU(gate) * up left to
+        the down product's quantizer (GluProducts)."""
         n, top_k = ids.shape
         w = L.gate_up if L.gate_up is not None else L.gate
         if w.q is None or n > dispatch.MMVQ_MAX_TOKENS:
+            if self.fuse_glu_quant and L.gate_up is not None and w.q is not None and L.down.q is not None:
+                E, m, k = L.down.shape
+                choice = dispatch.choose_mul_mat_id(L.down.qtype, E, top_k, m, k, n)
+                if choice.path in ops.GLU_PATHS:
+                    return GluProducts(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), choice)
             return super().expert_gate_up(L, x, ids, name)
         from .fused import Operands, run_moe_gate_up
         o = Operands(x, w.q if L.gate_up is not None else None, L.gate.q if L.gate is not None else None,

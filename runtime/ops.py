@@ -118,26 +118,36 @@ def _aligned(x2d):
     return x2d if x2d.data.ptr % 16 == 0 else x2d.copy()
 
 
-def quantize_activations(x2d, pdl: bool = False, release_first: bool = False):
+def _act_width(x2d, glu: bool) -> int:
+    """k of the activations x2d holds: its width, or half of it for gate|up products (glu)."""
+    width = x2d.shape[1]
+    if glu and width % 2:
+        raise ValueError(f"gate|up products must have an even width, got {width}")
+    return width // 2 if glu else width
+
+
+def quantize_activations(x2d, pdl: bool = False, release_first: bool = False, glu: bool = False):
     """float32 (rows, k) -> q8_1 (xq int8 (rows, k), xds float32 (rows, nbp, 2), nbp).
     pdl: launched with PDL (the kernel waits for x's writer on the device first), as the
     one-token products after it are: the chain of a decode step has no launch gaps.
     release_first: the product after it may launch before this kernel's wait, because it
     reads nothing before its own wait that a kernel in flight could still be writing
-    (weights only, or expert ids settled earlier: see _mmvq)."""
-    rows, k = x2d.shape
+    (weights only, or expert ids settled earlier: see _mmvq).
+    glu: x2d is (rows, 2k) gate|up products and what is quantized is silu(gate) * up."""
+    rows, k = x2d.shape[0], _act_width(x2d, glu)
     xq, xds, nbp = _x_buffers(rows, k)
     _util("quantize_q8_1")((-(-rows * nbp // 64),), (_aligned(x2d), xq, xds, _i32(rows), _i32(k), _i32(nbp),
-                                                      _i32(int(release_first))),
+                                                      _i32(int(release_first)), _i32(int(glu))),
                            block=512, pdl=pdl)
     return xq, xds, nbp
 
 
-def _prepare(ids, E: int, tile_x: int, x2d, pdl: bool = False):
+def _prepare(ids, E: int, tile_x: int, x2d, pdl: bool = False, glu: bool = False):
     """Routing and q8_1 quantization of x in one launch (pdl: as the product after it is;
-    the kernel waits for the writer of ids and x on the device first)."""
+    the kernel waits for the writer of ids and x on the device first). glu: as in
+    quantize_activations."""
     N = ids.size
-    rows_x, k = x2d.shape
+    rows_x, k = x2d.shape[0], _act_width(x2d, glu)
     xq, xds, nbp = _x_buffers(rows_x, k)
     max_tiles = N // tile_x + min(E, N)
     rows = WORKSPACE.get("rows", N * 4, np.int32)
@@ -146,7 +156,8 @@ def _prepare(ids, E: int, tile_x: int, x2d, pdl: bool = False):
     eoff = WORKSPACE.get("eoff", (E + 1) * 4, np.int32)
     qblocks = -(-rows_x * nbp // 64)
     _util("prepare_moe")((E + qblocks,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff,
-                                          _aligned(x2d), xq, xds, _i32(rows_x), _i32(k), _i32(nbp)),
+                                          _aligned(x2d), xq, xds, _i32(rows_x), _i32(k), _i32(nbp),
+                                          _i32(int(glu))),
                          block=512, smem=(3 * E + 32) * 4, pdl=pdl)
     return (rows, tiles, ntt, eoff, max_tiles), (xq, xds, nbp)
 
@@ -298,16 +309,22 @@ def run_mul_mat_id_combine(w: QuantTensor, x, ids, wts, xres, ids_settled: bool 
     _mmvq(spec, w, x.reshape(-1, k), ids, 1, xres, m, ids_settled=ids_settled, combine=(wts, xres))
 
 
+GLU_PATHS = ("mmq_id", "per_expert")   # the paths that quantize x in a launch of their own
+
+
 def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights=None,
-                   ids_settled: bool = False) -> None:
+                   ids_settled: bool = False, glu: bool = False) -> None:
     """No validation: callers (mul_mat_id, the model runtime, the tuner) have done it.
     weights (n, top_k) float32, optional: each entry's row is multiplied by its weight.
-    ids_settled: see _mmvq."""
+    ids_settled: see _mmvq. glu (the paths in GLU_PATHS): x holds gate|up products, 2k
+    wide, and the product reads silu(gate) * up, applied as x is quantized."""
     E, m, k = w.shape
     n, top_k = ids.shape
     x_div = top_k if x.ndim == 2 else 1
-    x2d = x.reshape(-1, k)
+    x2d = x.reshape(-1, 2 * k if glu else k)
     spec = choice.spec
+    if glu and choice.path not in GLU_PATHS:
+        raise ValueError(f"the {choice.path} path does not take gate|up products")
     if choice.path == "mmvq":
         _mmvq(spec, w, x2d, ids, x_div, out, m, entry_scale=weights, ids_settled=ids_settled)
         return
@@ -315,24 +332,24 @@ def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights
         spec = mmq_launch_form(spec, n * top_k, E, pdl_available(device_info(w.buffer.device.id)["cc"]))
         if spec.direct:
             # one block per (expert, row tile) reads ids itself: only x is prepared
-            xq, xds, nbp = quantize_activations(x2d, spec.pdl)
+            xq, xds, nbp = quantize_activations(x2d, spec.pdl, glu=glu)
             slots = (ids.size - 1) // spec.x + E  # experts' extra columns, then every expert's first
             _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, ids, None, None, slots, ids.size, x_div)
         else:
-            (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d, spec.pdl)
+            (rows, tiles, ntt, _, max_tiles), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d, spec.pdl, glu)
             _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, rows, tiles, ntt, max_tiles, 0, x_div)
     elif choice.path == "per_expert":
-        _per_expert(spec, w, x2d, ids, x_div, out)
+        _per_expert(spec, w, x2d, ids, x_div, out, glu)
     else:
         raise ValueError(f"unknown path {choice.path!r}")
     if weights is not None:
         out *= weights[:, :, None]
 
 
-def _per_expert(spec: MmqSpec, w: QuantTensor, x2d, ids, x_div: int, out) -> None:
+def _per_expert(spec: MmqSpec, w: QuantTensor, x2d, ids, x_div: int, out, glu: bool = False) -> None:
     E, m, k = w.shape
     N = ids.size
-    (rows, _, _, eoff, _), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d)
+    (rows, _, _, eoff, _), (xq, xds, nbp) = _prepare(ids, E, spec.x, x2d, glu=glu)
     xq_s = WORKSPACE.get("xq_sorted", N * k, np.int8)
     xds_s = WORKSPACE.get("xds_sorted", N * nbp * 8, np.float32)
     out_s = WORKSPACE.get("out_sorted", N * m * 4, np.float32)

@@ -381,3 +381,34 @@ def test_lean_form_changes_no_bit(rng, qtype, case, monkeypatch):
         _check(raw, qtype, (E, m, k), x, ids, cp.asarray(outs[True]))
     assert np.isfinite(outs[True]).all()
     np.testing.assert_array_equal(outs[False], outs[True])
+
+
+@pytest.mark.parametrize("path,spec_kw,n", [
+    ("mmq_id", dict(x=16, y=64, warps=4, kblocks=16, stages=2), 37),     # routing launch
+    ("mmq_id", dict(x=8, y=64, warps=4, kblocks=16, stages=2, stream_k=False, direct=True), 9),
+    ("per_expert", dict(x=32, y=64, warps=4, ids=False, stream_k=False), 21),
+])
+def test_swiglu_in_the_quantizer_changes_no_bit(rng, path, spec_kw, n):
+    """The down product fed gate|up products (glu): its quantizer computes SiLU(gate) * up
+    itself. The result must be that of the model's swiglu kernel and then the product, bit
+    for bit, on every path that quantizes x in its own launch; the mat-vec path refuses."""
+    import cupy as cp
+    from moeforge.codegen.spec import MmqSpec, ModelSpec
+    from moeforge.runtime import dispatch, ops
+    from moeforge.runtime.kernels import load
+    E, top_k, ff, m = 16, 4, 96, 72
+    raw, w, _, ids, _, idsd = _setup(rng, "q4_0", E, m, ff, n, top_k)
+    gu = cp.asarray((rng.standard_normal((n, top_k, 2 * ff)) * 2).astype(np.float32))
+    act = cp.full((n, top_k, ff), np.nan, dtype=cp.float32)
+    load(ModelSpec(), "swiglu")((-(-act.size // 256),), (gu, act, np.int64(n * top_k), np.int32(ff)), block=256)
+    choice = dispatch.Choice(path, MmqSpec("q4_0", **spec_kw))
+    want = cp.full((n, top_k, m), np.nan, dtype=cp.float32)
+    got = cp.full((n, top_k, m), np.nan, dtype=cp.float32)
+    ops.run_mul_mat_id(w, act, idsd, want, choice)
+    ops.run_mul_mat_id(w, gu, idsd, got, choice, glu=True)
+    assert np.isfinite(want.get()).all()
+    np.testing.assert_array_equal(got.get(), want.get())
+    _check(raw, "q4_0", (E, m, ff), act.get(), ids, got)
+    with pytest.raises(ValueError, match="gate|up"):
+        ops.run_mul_mat_id(w, gu, idsd, got, dispatch.Choice("mmvq", dispatch.default_mmvq("q4_0", n, True)),
+                           glu=True)

@@ -161,3 +161,24 @@ def test_float_models_keep_float32_prompt_attention(parity_models):
     activations already cost more precision than tf32 does)."""
     assert load_model(parity_models["q4_0"]["path"], backend="cuda").backend.attn_tensor_cores
     assert not load_model(parity_models["f32"]["path"], backend="cuda").backend.attn_tensor_cores
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q8_0"])
+def test_swiglu_in_the_down_quantizer_changes_no_bit(parity_models, name):
+    """Past decode sizes the experts' SiLU(gate) * up is computed by the down product's
+    quantizer (no swiglu launch, no buffer of its own): a prompt's logits must be those of
+    the separate swiglu launch, bit for bit, and the launch must really be gone."""
+    fx = parity_models[name]
+    toks = np.asarray(fx["tokens"][:40])
+    outs = []
+    for fused in (True, False):
+        m = load_model(fx["path"], backend="cuda", n_ubatch=20)
+        m.backend.fuse_glu_quant = fused
+        calls = []
+        swiglu = m.backend.swiglu
+        m.backend.swiglu = lambda *a, _f=swiglu: calls.append(1) or _f(*a)
+        m.reset(len(toks))
+        outs.append(m.eval(toks))
+        assert (len(calls) == 0) == fused, len(calls)
+        assert np.isfinite(outs[-1]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
