@@ -1,0 +1,146 @@
+"""The MoE half of the CUDA backend (a part of runtime.backend_cuda.CudaBackend): routing,
+the expert products and their fusions, the experts' weighted sum. At decode sizes the
+router and its top-k are one launch, gate and up one fused mat-vec, and the down product
+adds its weighted sum into the residual itself; past them the grouped products run, the
+SwiGLU going into the down product's quantizer (GluProducts).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import dispatch, ops
+
+_i32, _f32 = np.int32, np.float32
+
+
+def _grid(total: int, block: int = 256) -> tuple[int]:
+    return (max(1, -(-int(total) // block)),)
+
+
+class GluProducts:
+    """The expert gate|up products (n, top_k, 2 n_ff) standing for SiLU(gate) * up, which
+    only the down product reads: its quantizer computes the activation as it quantizes
+    (ops.run_mul_mat_id, glu), so no launch and no buffer hold it. Same bits as the swiglu
+    kernel. `choice` is the down product's path, one that quantizes x in its own launch."""
+
+    def __init__(self, gu, choice: dispatch.Choice):
+        self.gu, self.choice = gu, choice
+        self.shape = (*gu.shape[:-1], gu.shape[-1] // 2)
+
+
+class CudaMoeOps:
+    """Mixed into CudaBackend, whose plumbing (kernel, ws, _q8_of, the fusion switches and
+    the PDL bookkeeping in _waited_ids) it uses."""
+
+    def moe_combine_rms_norm_(self, x, y, wts, w, eps, name):
+        """y None: the experts' sum is already in x (expert_down_into_); only the norm, with
+        the same arithmetic (x + 0 over no slots)."""
+        n, d = x.shape
+        top_k = 0 if y is None else y.shape[1]
+        out = self.ws(name, x.shape)
+        self.kernel("moe_combine_rms_norm")((n,), (1024,), (x, x if y is None else y, wts, w, out, _i32(top_k),
+                                                            _i32(d), _f32(eps), *self._norm_q8(out)))
+        return out
+
+    def moe_down_combine_rms_norm_(self, L, x, act, ids, wts, w, eps, name):
+        n, top_k = ids.shape
+        if (self.fuse_down_combine and self._decoding and L.down.q is not None and n <= dispatch.MMVQ_MAX_TOKENS
+                and top_k <= 8):
+            self.expert_down_into_(L, x, act, ids, wts)
+            return self.moe_combine_rms_norm_(x, None, wts, w, eps, name)
+        return super().moe_down_combine_rms_norm_(L, x, act, ids, wts, w, eps, name)
+
+    def expert_down_into_(self, L, x, act, ids, wts):
+        """x += sum_j wts[:, j] * (W_down[ids[:, j]] act[:, j]) in the down product's own launch
+        (ops.run_mul_mat_id_combine): the expert outputs never reach memory."""
+        settled = self._waited_ids == (ids.data.ptr, act.data.ptr)
+        self._waited_ids = None
+        ops.run_mul_mat_id_combine(L.down.q, act, ids, wts, x, ids_settled=settled)
+
+    def mul_mat_id(self, w, x, ids, name):
+        n, top_k = ids.shape
+        E, m, k = w.shape
+        out = self.ws(name, (n, top_k, m))
+        if isinstance(x, GluProducts):
+            if w.q is None or x.shape != (n, top_k, k):
+                raise ValueError(f"{name}: gate|up products of shape {x.gu.shape} cannot feed {w.qtype} {w.shape}")
+            ops.run_mul_mat_id(w.q, x.gu, ids, out, x.choice, glu=True)
+            return out
+        if w.q is not None:
+            # the down product right after the expert gate/up, whose launch waited for the
+            # router: its quantizer may release the product at once (ops._mmvq)
+            settled = self._waited_ids == (ids.data.ptr, x.data.ptr)
+            self._waited_ids = None
+            ops.run_mul_mat_id(w.q, x, ids, out, dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n),
+                               ids_settled=settled)
+            return out
+        # float experts: test models only (a warp per output, no tensor cores)
+        x_div = top_k if x.ndim == 2 else 1
+        self.kernel("dense_f32_id")((-(-m // 8), n * top_k), (256,), (w.f, x, ids, out, _i32(m), _i32(k),
+                                                                      _i32(x_div)))
+        return out
+
+    def expert_gate_up(self, L, x, ids, name):
+        """Decoding (n <= 8, quantized experts): one fused mat-vec launch reads gate and up
+        and applies SiLU, instead of a product, a round trip through memory and a kernel.
+        Larger batches with merged gate/up: the product alone, its SiLU(gate) * up left to
+        the down product's quantizer (GluProducts)."""
+        n, top_k = ids.shape
+        w = L.gate_up if L.gate_up is not None else L.gate
+        if w.q is None or n > dispatch.MMVQ_MAX_TOKENS:
+            if self.fuse_glu_quant and L.gate_up is not None and w.q is not None and L.down.q is not None:
+                E, m, k = L.down.shape
+                choice = dispatch.choose_mul_mat_id(L.down.qtype, E, top_k, m, k, n)
+                if choice.path in ops.GLU_PATHS:
+                    return GluProducts(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), choice)
+            return super().expert_gate_up(L, x, ids, name)
+        from .fused import Operands, run_moe_gate_up
+        o = Operands(x, w.q if L.gate_up is not None else None, L.gate.q if L.gate is not None else None,
+                     L.up.q if L.up is not None else None, None, None, experts=True)
+        out = self.ws(name, (n, top_k, o.n_ff))
+        q8 = self._q8_of(x)
+        run_moe_gate_up(o, ids, out, "silu", x_q8=q8)
+        # with x quantized before, its launch is the wait-first form (or an ordinary one):
+        # it passed its wait for the router before any kernel after it could launch
+        self._waited_ids = (ids.data.ptr, out.data.ptr) if q8 is not None else None
+        return out
+
+    def route_tokens(self, router, x, top_k, scale):
+        n, k = x.shape
+        if router.f is None or n > dispatch.MMVQ_MAX_TOKENS:
+            return super().route_tokens(router, x, top_k, scale)
+        m = router.shape[0]
+        if self._counter is None:
+            self._counter = self.cp.zeros(1, dtype=self.cp.uint32)   # router_route resets it after use
+            self.generation += 1
+        logits = self.ws("router", (n, m))
+        ids = self.ws("ids", (n, top_k), np.int32)
+        wts = self.ws("wts", (n, top_k))
+        self.kernel("router_route")((-(-m // 8), n), (256,), (router.f, x, logits, _i32(m), _i32(k), _i32(n),
+                                                            _i32(top_k), _f32(scale), ids, wts, self._counter))
+        return ids, wts
+
+    def route(self, logits, top_k, scale):
+        n, E = logits.shape
+        ids = self.ws("ids", (n, top_k), np.int32)
+        wts = self.ws("wts", (n, top_k))
+        self.kernel("route_topk")(_grid(n, 4), (128,), (logits, _i32(n), _i32(E), _i32(top_k), _f32(scale),
+                                                           ids, wts))
+        return ids, wts
+
+    def swiglu(self, gu, name):
+        *lead, two_ff = gu.shape
+        ff = two_ff // 2
+        out = self.ws(name, (*lead, ff))
+        rows = out.size // ff
+        self.kernel("swiglu")(_grid(out.size), (256,), (gu, out, np.int64(rows), _i32(ff)))
+        return out
+
+    def swiglu_split(self, g, u, name):
+        out = self.ws(name, g.shape)
+        self.kernel("swiglu_split")(_grid(out.size), (256,), (g, u, out, np.int64(out.size)))
+        return out
+
+    def moe_combine_(self, x, y, wts):
+        n, top_k, d = y.shape
+        self.kernel("moe_combine")(_grid(n * d), (256,), (x, y, wts, _i32(n), _i32(top_k), _i32(d)))
