@@ -77,6 +77,8 @@ class ModelSpec(KernelSpec):
     template: ClassVar[str] = "model.cu.j2"
     max_experts: int = 512      # routing holds a token's logits in registers, 32 lanes wide
     max_head_dim: int = 256     # decode attention stages one query head in shared memory
+    DENSE_TILE: ClassVar[int] = 64     # dense_f32_tiled: rows and tokens of a tile
+    DENSE_STEP: ClassVar[int] = 16     # its k of a step (a split of k is a multiple of it)
 
     @property
     def name(self) -> str:
@@ -148,9 +150,19 @@ class MmqSpec(KernelSpec):
         return 32 * self.warps
 
     @property
+    def x_q_slots(self) -> int:
+        """16-byte x copies a thread of the lean form keeps per tile (its x rows' quants)."""
+        return -(-self.x * self.kblocks * 2 // self.threads)
+
+    @property
+    def x_d_slots(self) -> int:
+        """The same for the x rows' (d, s) pairs."""
+        return -(-self.x * (self.kblocks // 2) // self.threads)
+
+    @property
     def x_row_slots(self) -> int:
         """Registers a thread of the lean form keeps for a tile's x rows (its x copies)."""
-        return -(-self.x * self.kblocks * 2 // self.threads) + -(-self.x * (self.kblocks // 2) // self.threads)
+        return self.x_q_slots + self.x_d_slots
 
     def check(self) -> None:
         q = self.quant

@@ -285,14 +285,15 @@ class CudaBackend(CudaMoeOps, Backend):
         return out
 
     def _dense_tiled(self, w, x, out):
-        """out = x @ w.T in 64x64 tiles, split over k until the SMs have two blocks each."""
+        """out = x @ w.T in square tiles, split over k until the SMs have two blocks each."""
         (n, k), m = x.shape, w.shape[0]
-        tiles = -(-m // 64) * -(-n // 64)
+        T, K = ModelSpec.DENSE_TILE, ModelSpec.DENSE_STEP
+        tiles = -(-m // T) * -(-n // T)
         splits = max(1, min(-(-2 * self._device()["sm_count"] // tiles), k // 256))
-        kc = -(-k // (splits * 16)) * 16
+        kc = -(-k // (splits * K)) * K
         splits = -(-k // kc)
         dst = out if splits == 1 else self.ws("dense_partials", (splits, n, m))
-        self.kernel("dense_f32_tiled")((-(-m // 64), -(-n // 64), splits), (256,),
+        self.kernel("dense_f32_tiled")((-(-m // T), -(-n // T), splits), (256,),
                                        (w, x, dst, _i32(m), _i32(k), _i32(n), _i32(kc)))
         if splits > 1:
             self.kernel("dense_f32_reduce")(_grid(n * m), (256,), (dst, out, _i32(splits), np.int64(n * m)))

@@ -55,16 +55,20 @@ def tile_buffers(hp, smem_limit: int) -> int:
     return 2 if smem_bytes(hp, "attn_prefill_tc", bufs=2) <= smem_limit else 1
 
 
+def _top19(a, half_ulp: int) -> np.ndarray:
+    """float32's top 19 bits (sign, exponent, 10 mantissa bits) after adding half_ulp."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(half_ulp)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
 def tf32(a) -> np.ndarray:
     """cvt.rna.tf32.f32: float32 rounded to a 10-bit mantissa, ties away from zero."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return _top19(a, 0x1000)
 
 
 def tf32_truncated(a) -> np.ndarray:
     """float32 as the tensor cores read it for a tf32 operand: the top 19 bits."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return (bits & np.uint32(0xFFFFE000)).view(np.float32)
+    return _top19(a, 0)
 
 
 def attention_tf32(q, k, v, hp, pos0: int) -> np.ndarray:
