@@ -25,11 +25,15 @@ def _one(job):
 
 
 def generate(types: list[QuantType], archs=ARCHS, build_dir: Path | None = None,
-             jobs: int | None = None, progress: bool = True, out=sys.stdout) -> dict:
+             jobs: int | None = None, progress: bool = True, out=sys.stdout,
+             subset: dict | None = None) -> dict:
+    """subset {arch: specs}: build only those for that architecture (the tests' plan for
+    architectures that compile another's code path); the others get every instance."""
     from tqdm import tqdm
     build_dir = Path(build_dir) if build_dir else default_build_dir()
     specs = all_specs(types)
-    work = [(s, a, build_dir) for a in archs for s in specs]
+    subset = subset or {}
+    work = [(s, a, build_dir) for a in archs for s in subset.get(a, specs)]
     jobs = jobs or os.cpu_count() or 1
     t0 = time.perf_counter()
     results = []

@@ -30,9 +30,9 @@ def test_generate_command_reuses_the_cache(generated):
     """The command over a build directory that already holds every instance: all cache
     hits (the compilation itself is checked by the codegen test that filled it)."""
     build_dir, _, _ = generated
-    r = _moeforge("generate", "--types", "q8_0", "--arch", "sm_86", "--out", str(build_dir), "--quiet")
+    r = _moeforge("generate", "--types", "q8_0", "--arch", "sm_90", "--out", str(build_dir), "--quiet")
     assert r.returncode == 0, r.stderr
-    assert "sm_86" in r.stdout and "q8_0" in r.stdout
+    assert "sm_90" in r.stdout and "q8_0" in r.stdout
     total = [line for line in r.stdout.splitlines() if line.endswith(str(build_dir))][0]
     n, cached = total.split()[0], total.split("(")[1].split()[0]
     assert n == cached and int(n) > 100

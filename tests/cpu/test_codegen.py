@@ -81,14 +81,35 @@ def test_compile_cache_is_keyed_by_source(tmp_path):
     assert len(templates_hash()) == 16
 
 
-def test_generate_compiles_every_instance_for_every_arch(generated):
-    """The whole space, four architectures, NVRTC only (no GPU, no toolkit)."""
+def test_generate_compiles_every_instance(generated):
+    """The whole space for sm_80 and sm_90, a fixed sample for the other architectures
+    (conftest.generated), NVRTC only (no GPU, no toolkit)."""
+    from conftest import FULL_ARCHS, SAMPLE_EVERY
     build_dir, summary, table = generated
     assert summary["failures"] == [], summary["failures"][:3]
-    assert summary["total"] == len(SPECS) * len(ARCHS)
+    sample = len(SPECS[::SAMPLE_EVERY])
+    assert summary["total"] == len(SPECS) * len(FULL_ARCHS) + sample * (len(ARCHS) - len(FULL_ARCHS))
     for arch in ARCHS:
-        assert len(list((build_dir / arch).glob("*.cubin"))) == len(SPECS)
-    assert "instances" in table and "sm_90" in table
+        want = len(SPECS) if arch in FULL_ARCHS else sample
+        assert len(list((build_dir / arch).glob("*.cubin"))) == want, arch
+    assert set(FULL_ARCHS) <= set(ARCHS) and "instances" in table and "sm_90" in table
+
+
+def test_templates_have_only_the_code_paths_the_compile_test_covers():
+    """The templates branch on __CUDA_ARCH__ >= 800 and >= 900 only, so every other
+    architecture compiles sm_80's path and a sample of it suffices (conftest.generated):
+    a new threshold must come with its architecture in FULL_ARCHS."""
+    import re
+    from pathlib import Path
+
+    from conftest import FULL_ARCHS
+    tdir = Path(__file__).resolve().parents[2] / "templates"
+    found = set()
+    for f in tdir.glob("*.j2"):
+        found |= {int(v) for v in re.findall(r"__CUDA_ARCH__\s*>=\s*(\d+)", f.read_text())}
+        assert not re.search(r"__CUDA_ARCH__\s*(==|<|>(?!=)|<=)", f.read_text()), f.name
+    assert found == {800, 900}
+    assert {f"sm_{v // 10}" for v in found} == set(FULL_ARCHS)
 
 
 def test_every_default_decode_spec_is_generated():
