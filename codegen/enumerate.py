@@ -6,7 +6,7 @@ import dataclasses
 from itertools import product
 
 from .quant import QuantType
-from .spec import KernelSpec, MmqSpec, MmvqSpec, ModelSpec, UtilSpec
+from .spec import KernelSpec, MmfSpec, MmqSpec, MmvqSpec, ModelSpec, UtilSpec
 
 MMQ_X = (8, 16, 32, 64, 128)
 MMQ_X_DENSE = (16, 32, 64, 128)   # dense products take the mmq path only past 8 tokens
@@ -51,11 +51,23 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     return out
 
 
+# The f16 tiles the runtime's rule chooses (runtime.dispatch.mmf_choice); not yet in the
+# tuner's space.
+MMF_TILES = ((64, 128, 8, 4, 3), (128, 128, 4, 4, 2))
+
+
+def mmf_specs(q: QuantType) -> list[MmfSpec]:
+    if q.name not in MmfSpec.QTYPES:
+        return []
+    return [MmfSpec(q.name, x, y, w, kb, st, ids=ids) for ids in (True, False) for x, y, w, kb, st in MMF_TILES]
+
+
 def all_specs(types: list[QuantType]) -> list[KernelSpec]:
     specs: list[KernelSpec] = [UtilSpec(), ModelSpec()]
     for q in types:
         specs += mmq_specs(q)
         specs += mmvq_specs(q)
+        specs += mmf_specs(q)
     for s in specs:
         s.check()
     return specs

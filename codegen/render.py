@@ -7,7 +7,7 @@ from importlib import resources
 
 import jinja2
 
-from .spec import KernelSpec, MmqSpec
+from .spec import KernelSpec, MmfSpec, MmqSpec
 
 
 @lru_cache(maxsize=1)
@@ -24,7 +24,7 @@ def _env() -> jinja2.Environment:
 
 def render(spec: KernelSpec) -> str:
     spec.check()
-    extra = {"L": spec.layout()} if isinstance(spec, MmqSpec) else {}
+    extra = {"L": spec.layout()} if isinstance(spec, (MmqSpec, MmfSpec)) else {}
     return _env().get_template(spec.template).render(spec=spec, **extra)
 
 

@@ -299,4 +299,71 @@ class MmvqSpec(KernelSpec):
             raise ValueError(f"{self.name}: combine belongs to the per-pair expert product without activation")
 
 
-SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec)}
+@dataclass(frozen=True)
+class MmfSpec(KernelSpec):
+    """Quantized GEMM on f16 tensor cores (mma.sync m16n8k16, f32 accumulation), for
+    prompt-sized batches. The weights are dequantized to f16 in registers, d * (q - 8)
+    rounded once, and x is converted to f16 once by a launch before; the product then
+    accumulates over all of k with no per-block scale arithmetic, where MMQ spends three
+    instructions per output and per 32-value block on it (the int32 -> float conversion
+    and two FMAs: ~27 issued instructions per int8 mma on the H100, BENCHMARKS.md).
+    Numerics: x and w rounded to f16 (11-bit significands) instead of x to q8_1 (8-bit),
+    ggml's cuBLAS path. x: tokens per tile, y: weight rows per tile, warps split y,
+    kblocks: 32-value blocks per pipeline stage, stages: cp.async depth. ids: MUL_MAT_ID
+    tiles from the routing launch."""
+    family: ClassVar[str] = "mmf"
+    template: ClassVar[str] = "mmf.cu.j2"
+    qtype: str
+    x: int
+    y: int
+    warps: int
+    kblocks: int = 4
+    stages: int = 3
+    ids: bool = True
+    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0")
+    X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
+
+    @property
+    def quant(self) -> QuantType:
+        return quant_type(self.qtype)
+
+    @property
+    def name(self) -> str:
+        fam = "mmf_id" if self.ids else "mmf"
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def check(self) -> None:
+        if self.qtype not in self.QTYPES:
+            raise ValueError(f"{self.name}: mmf dequantizes {', '.join(self.QTYPES)} only")
+        if self.x % 8 or not 8 <= self.x <= 128:
+            raise ValueError(f"{self.name}: x must be a multiple of 8 in [8, 128]")
+        if self.y % (16 * self.warps):
+            raise ValueError(f"{self.name}: y must be a multiple of 16*warps")
+        if self.kblocks not in (2, 4, 8, 16):
+            raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
+        if self.stages not in (2, 3, 4):
+            raise ValueError(f"{self.name}: stages must be 2, 3 or 4")
+
+    # One pipeline stage: weight quants (rows padded by 16 bytes: the 8 rows a warp reads
+    # at once fall in different banks), weight scales, then x in f16 (rows padded by 32
+    # bytes: the 8-byte loads of a half-warp's four rows fall in different banks).
+    def layout(self) -> dict[str, int]:
+        q = self.quant
+        wq_row = self.kblocks * q.qs_bytes + 16
+        wm_row = _pad16(self.kblocks * q.meta_bytes)
+        x_row = self.kblocks * 64 + 32
+        wq = 0
+        wm = wq + self.y * wq_row
+        xh = wm + self.y * wm_row
+        stage = xh + self.x * x_row
+        return dict(wq_row=wq_row, wm_row=wm_row, x_row=x_row, wq=wq, wm=wm, xh=xh, stage=stage)
+
+    def smem_bytes(self) -> int:
+        return self.layout()["stage"] * self.stages
+
+
+SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec, MmfSpec)}

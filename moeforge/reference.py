@@ -1,5 +1,6 @@
 """numpy references for every kernel: the float64 truth and an emulation of the kernels'
-own integer arithmetic (q8_1 activations times the weight quants, block by block).
+own integer arithmetic (q8_1 activations times the weight quants, block by block), and of
+the f16 tensor-core path's (weights and activations rounded to float16).
 
 The float reference catches gross errors (ggml's bar: NMSE <= 5e-4 from rounding alone);
 the emulation agrees with a correct kernel to float32 accumulation error (~1e-6), so it
@@ -102,6 +103,29 @@ def mul_mat_id_emulated(raw: np.ndarray, qtype, shape, x: np.ndarray, ids: np.nd
         out[entries] = xdeq[entries] @ wk.T + sx[entries].astype(np.float64) @ add[e].astype(np.float64).T
     return out.reshape(n, top_k, m)
 
+
+def f16_weights(raw: np.ndarray, qtype, rows: int, k: int) -> np.ndarray:
+    """Weights as the f16 tensor-core path (MmfSpec) multiplies them: d * (q - offset)
+    rounded once to float16 (the product is exact in float32)."""
+    q = _q(qtype)
+    ints, mul, add = _kernel_view(raw, q, rows, k)
+    offset = np.where(mul != 0, add / np.where(mul != 0, mul, 1), 0).astype(np.float32)  # -8 or 0
+    nb = k // 32
+    w = (ints.reshape(rows, nb, 32).astype(np.float32) + offset[..., None]) * mul[..., None]
+    return w.astype(np.float32).astype(np.float16).reshape(rows, k)
+
+
+def mul_mat_id_emulated_f16(raw: np.ndarray, qtype, shape, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """What the f16 path computes, in float64: f16 weights (f16_weights) times x rounded
+    to float16. A correct kernel differs by its float32 accumulation only."""
+    E, m, k = shape
+    n, top_k = ids.shape
+    w = f16_weights(raw, qtype, E * m, k).astype(np.float64).reshape(E, m, k)
+    xs = _entry_rows(np.asarray(x, dtype=np.float32), n, top_k).astype(np.float16).astype(np.float64)
+    out = np.empty((n * top_k, m), dtype=np.float64)
+    for e, entries in _expert_groups(ids):
+        out[entries] = xs[entries] @ w[e].T
+    return out.reshape(n, top_k, m)
 
 def mul_mat_float(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) @ w.astype(np.float64).T

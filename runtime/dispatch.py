@@ -5,15 +5,18 @@ A choice is a path and a spec:
   mmvq        mat-vec, every expert's weights read once for all its tokens (n <= 8)
   mmq_id      one int8 tensor-core launch for all experts, tiles from the routing kernel
   per_expert  gather each expert's tokens, one dense launch per expert, scatter back
+  mmf_id      one f16 tensor-core launch for all experts (weights dequantized in registers)
+  mmf         its dense form, in place of mmq
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..codegen.quant import quant_type
-from ..codegen.spec import KernelSpec, MmqSpec, MmvqSpec
+from ..codegen.spec import KernelSpec, MmfSpec, MmqSpec, MmvqSpec
 
-PATHS = ("mmvq", "mmq_id", "per_expert")
+PATHS = ("mmvq", "mmq_id", "per_expert", "mmf_id", "mmf")
 MMVQ_MAX_TOKENS = 8     # past this the int8 tensor-core tiles win by default
 # Expert mat-vec in routing-table mode stays correct for any n, and with 1-2 tokens per
 # expert (n = 16..32 of 128 experts x top-8) it streams whole weight rows where the
@@ -25,7 +28,7 @@ MMVQ_ID_TUNABLE_TOKENS = 32
 class Choice:
     path: str
     spec: KernelSpec
-    source: str = "default"   # "default" or "profile"
+    source: str = "default"   # "default", "profile" or "rule" (mmf_choice)
 
 
 def _pow2_at_least(v: float, lo: int, hi: int) -> int:
@@ -82,8 +85,51 @@ def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool | 
     return MmqSpec(qtype, x=x, y=128, warps=4, kblocks=8, stages=2, ids=ids, stream_k=sk)
 
 
+# The f16 tensor-core path where it was measured to win: Hopper, dense products of prompt
+# size. MOEFORGE_MMF=0 turns it off (the int8 tiles of the profile or the defaults run).
+# Expert products: no threshold yet (inf): at 32 tokens an expert the int8 tiles won every
+# case, at 128 q4_0 was even and q8_0 won 8-17% (BENCHMARKS.md); the tuner will decide.
+MMF_MIN_DENSE_TOKENS = 512
+MMF_WIDE_TILE_TOKENS = 2048
+MMF_MIN_TOKENS_PER_EXPERT = float("inf")
+MMF_CC_MAJOR = (9,)
+
+
+def _device_cc_major() -> int | None:
+    from .device import device_info, has_gpu
+    if not has_gpu():
+        return None
+    import cupy as cp
+    return int(device_info(cp.cuda.Device().id)["cc"].split(".")[0])
+
+
+def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None) -> Choice | None:
+    """The f16 tiles in place of any int8 choice, profile or default, where they won every
+    measured case: on sm_90 (f16 mma.sync runs at half the int8 rate there, but MMQ spends
+    ~27 issued instructions per int8 mma on per-block scale arithmetic and never gets near
+    that rate), dense products from 512 tokens. 64-token tiles of 8 warps below 2048 tokens
+    (128-token tiles leave SMs idle on 2048-row weights there), 128-token tiles from 2048.
+    H100, one call, hot, against the shipped profile's tiles (BENCHMARKS.md): q4_0 5120x2048
+    n=512 73.1 -> 67.0 us, 2048x4096 65.6 -> 52.2, n=2048 241.1 -> 174.7 and 212.4 -> 141.0;
+    q8_0 87.6 -> 81.9, 73.7 -> 54.7, 285.6 -> 180.3, 241.6 -> 147.9. Not a profile entry:
+    the tuner does not time this path yet; on other cards the int8 tiles stay."""
+    if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
+        return None
+    ids = tokens_per_expert is not None
+    if ids and tokens_per_expert < MMF_MIN_TOKENS_PER_EXPERT or not ids and n < MMF_MIN_DENSE_TOKENS:
+        return None
+    if _device_cc_major() not in MMF_CC_MAJOR:
+        return None
+    x, warps, stages = (128, 4, 2) if n >= MMF_WIDE_TILE_TOKENS else (64, 8, 3)
+    return Choice("mmf_id" if ids else "mmf", MmfSpec(qtype, x=x, y=128, warps=warps, kblocks=4, stages=stages,
+                                                       ids=ids), "rule")
+
+
 def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
     from .profiles_hook import lookup
+    rule = mmf_choice(qtype, n, n * top_k / E)
+    if rule is not None:
+        return rule
     found = lookup("mul_mat_id", qtype, (E, top_k, m, k), n)
     return found if found is not None else default_mul_mat_id(qtype, E, top_k, m, k, n)
 
@@ -97,6 +143,9 @@ def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -
 
 def choose_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:
     from .profiles_hook import lookup
+    rule = mmf_choice(qtype, n, None)
+    if rule is not None:
+        return rule
     found = lookup("mul_mat", qtype, (1, 1, m, k), n)
     return found if found is not None else default_mul_mat(qtype, m, k, n)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..codegen.compile import compile_spec
-from ..codegen.spec import KernelSpec, MmqSpec
+from ..codegen.spec import KernelSpec, MmfSpec, MmqSpec
 from .device import device_info, require_gpu
 from .launch_ex import launch_pdl, pdl_available
 
@@ -68,7 +68,7 @@ def _loaded(spec: KernelSpec, symbol: str, dev: int) -> LoadedKernel:
     module, compiled = _module(spec, dev)
     info = device_info(dev)
     fn = module.get_function(symbol)
-    smem = spec.smem_bytes() if isinstance(spec, MmqSpec) else 0
+    smem = spec.smem_bytes() if isinstance(spec, (MmqSpec, MmfSpec)) and symbol == spec.symbol else 0
     if smem > info["smem_per_block_optin"]:
         raise ValueError(f"{spec.name} needs {smem} bytes of shared memory; {info['name']} allows "
                          f"{info['smem_per_block_optin']}")

@@ -309,7 +309,7 @@ def run_mul_mat_id_combine(w: QuantTensor, x, ids, wts, xres, ids_settled: bool 
     _mmvq(spec, w, x.reshape(-1, k), ids, 1, xres, m, ids_settled=ids_settled, combine=(wts, xres))
 
 
-GLU_PATHS = ("mmq_id", "per_expert")   # the paths that quantize x in a launch of their own
+GLU_PATHS = ("mmq_id", "per_expert", "mmf_id")   # the paths that prepare x in a launch of their own
 
 
 def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights=None,
@@ -340,6 +340,9 @@ def run_mul_mat_id(w: QuantTensor, x, ids, out, choice: dispatch.Choice, weights
             _mmq(spec, w, 0, xq, xds, nbp, out.data.ptr, m, rows, tiles, ntt, max_tiles, 0, x_div)
     elif choice.path == "per_expert":
         _per_expert(spec, w, x2d, ids, x_div, out, glu)
+    elif choice.path == "mmf_id":
+        from .mmf import run_mmf
+        run_mmf(spec, w, x2d, ids, x_div, out, glu)
     else:
         raise ValueError(f"unknown path {choice.path!r}")
     if weights is not None:
@@ -410,6 +413,9 @@ def run_mul_mat(w: QuantTensor, x, out, choice: dispatch.Choice, x_q8=None) -> N
         xq, xds, nbp = quantize_activations(x)
         _mmq(choice.spec, w, 0, xq, xds, nbp, out.data.ptr, m, None, None, None,
              -(-n // choice.spec.x), n, 1)
+    elif choice.path == "mmf":
+        from .mmf import run_mmf
+        run_mmf(choice.spec, w, x, None, 1, out)
     else:
         raise ValueError(f"unknown path {choice.path!r} for mul_mat")
 

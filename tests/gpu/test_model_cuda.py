@@ -37,6 +37,28 @@ def test_cuda_matches_llama_cpp(parity_models, name):
         assert np.abs(got - fx["logits"]).max() < 1e-3
 
 
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_f16_tensor_core_products_match_llama_cpp(parity_models, name, monkeypatch):
+    """Every quantized prompt product on the f16 path (the rule's thresholds dropped to
+    nothing, the card's generation ignored): the same bar against llama.cpp, and the path
+    must really have run."""
+    from moeforge.runtime import dispatch, mmf
+    monkeypatch.setattr(dispatch, "MMF_MIN_DENSE_TOKENS", 0)
+    monkeypatch.setattr(dispatch, "MMF_MIN_TOKENS_PER_EXPERT", 0)
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: dispatch.MMF_CC_MAJOR[0])
+    runs = []
+    real = mmf.run_mmf
+    monkeypatch.setattr(mmf, "run_mmf", lambda spec, *a, **kw: runs.append(spec.name) or real(spec, *a, **kw))
+    fx = parity_models[name]
+    got = load_model(fx["path"], backend="cuda").logits(fx["tokens"])
+    assert any(r.startswith("mmf_id") for r in runs) and any(r.startswith("mmf-") for r in runs), runs
+    assert np.isfinite(got).all()
+    top = got.argmax(-1) == fx["logits"].argmax(-1)
+    assert top.all(), f"top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
+    kl = kl_per_token(fx["logits"], got)
+    assert kl.mean() < 1e-3, f"mean KL {kl.mean():.2e} (max {kl.max():.2e})"
+
+
 @pytest.mark.parametrize("name", FIXTURES)
 def test_cuda_matches_numpy_kernel_emulation(parity_models, name):
     """The numpy backend with numerics="kernel" quantizes activations to q8_1 exactly as

@@ -1,0 +1,58 @@
+"""The launches of the f16 tensor-core path (MmfSpec): x converted to f16 once, then one
+launch of whole tiles (dense, or MUL_MAT_ID tiles from the routing launch). Graph-capturable:
+nothing synchronizes with the host."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..codegen.spec import MmfSpec
+from .kernels import load
+from .ops import _NULL, WORKSPACE, _act_width, _aligned, _i32, _round_up, _util
+from .tensor import QuantTensor
+
+
+def x_to_f16(spec: MmfSpec, x2d, glu: bool = False):
+    """float32 (rows, k) -> f16 (rows, kp) in the kernel's k order, zero past k. glu: x2d
+    holds (rows, 2k) gate|up products and what is converted is silu(gate) * up."""
+    rows, k = x2d.shape[0], _act_width(x2d, glu)
+    kp = _round_up(k // 32, MmfSpec.X_PAD_BLOCKS) * 32
+    xh = WORKSPACE.get("x_f16", rows * kp * 2, np.uint16).reshape(rows, kp)
+    groups = rows * kp // 4
+    load(spec, "mmf_x_to_f16")((-(-groups // 256),), (_aligned(x2d), xh, _i32(rows), _i32(k), _i32(kp),
+                                                      _i32(int(glu))), block=256, smem=0)
+    return xh, kp
+
+
+def route(ids, E: int, tile_x: int):
+    """The routing half of prepare_moe alone: (rows, tiles, ntt, max_tiles)."""
+    N = ids.size
+    max_tiles = N // tile_x + min(E, N)
+    rows = WORKSPACE.get("rows", N * 4, np.int32)
+    tiles = WORKSPACE.get("tiles", max_tiles * 16, np.int32)
+    ntt = WORKSPACE.get("ntt", 4, np.int32)
+    eoff = WORKSPACE.get("eoff", (E + 1) * 4, np.int32)
+    _util("prepare_moe")((E,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff,
+                                _NULL, _NULL, _NULL, _i32(0), _i32(0), _i32(0), _i32(0)),
+                         block=512, smem=(3 * E + 32) * 4)
+    return rows, tiles, ntt, max_tiles
+
+
+def run_mmf(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, out, glu: bool = False) -> None:
+    """out[entry] = W[expert] @ x[entry / x_div] for every (token, slot) entry of ids, or
+    with ids None the dense out = x @ W^T (w 2-D). Validated operands only."""
+    if spec.ids != (ids is not None):
+        raise ValueError(f"{spec.name}: {'needs' if spec.ids else 'takes no'} expert ids")
+    m = w.shape[-2]
+    xh, kp = x_to_f16(spec, x2d, glu)
+    if ids is not None:
+        rows, tiles, ntt, max_tiles = route(ids, w.n_experts, spec.x)
+        n_dense = 0
+    else:
+        rows = tiles = ntt = None
+        n_dense = x2d.shape[0]
+        max_tiles = -(-n_dense // spec.x)
+    ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
+    grid = max_tiles * -(-m // spec.y)
+    load(spec)((grid,), (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), xh, out, ptr(rows), ptr(tiles),
+                         ptr(ntt), _i32(m), _i32(w.nb), _i32(w.meta_stride), _i32(kp), _i32(x_div),
+                         _i32(n_dense)))

@@ -1,0 +1,86 @@
+"""The f16 tensor-core path on the CPU: its specs, its reference, the runtime's rule."""
+import numpy as np
+import pytest
+
+from moeforge import reference as ref
+from moeforge.codegen.spec import KernelSpec, MmfSpec
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(qtype="q4_K"), "dequantizes"),
+    (dict(x=12), "multiple of 8"),
+    (dict(y=96, warps=4), "16\\*warps"),
+    (dict(kblocks=3), "kblocks"),
+    (dict(stages=5), "stages"),
+])
+def test_spec_refuses_what_cannot_be_built(kw, msg):
+    base = dict(qtype="q4_0", x=64, y=128, warps=8, kblocks=4, stages=3)
+    base.update(kw)
+    with pytest.raises(ValueError, match=msg):
+        MmfSpec(**base).check()
+
+
+def test_spec_names_and_round_trip():
+    s = MmfSpec("q8_0", x=128, y=128, warps=4, kblocks=4, stages=2, ids=False)
+    assert s.name == "mmf-q8_0-x128y128w4k4s2" and s.symbol == "mmf_q8_0_x128y128w4k4s2"
+    assert KernelSpec.from_dict(s.to_dict()) == s
+    # x in f16 rows padded by 32 bytes, weight rows by 16: every region 16-byte aligned
+    L = s.layout()
+    assert L["x_row"] % 128 == 32 and all(L[r] % 16 == 0 for r in ("wq", "wm", "xh", "stage"))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_f16_weights_are_ggufs_dequantization_rounded_once(rng, qtype):
+    """The reference's f16 weights: gguf's own dequantization (exact in float32) rounded to
+    float16, which is what the kernel's exact (q - offset) times d, rounded once, gives."""
+    raw = ref.random_blocks(qtype, 24, 160, rng)
+    want = ref.dequantize(raw, qtype, (24, 160)).astype(np.float16)
+    np.testing.assert_array_equal(ref.f16_weights(raw, qtype, 24, 160), want)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_f16_emulation_is_closer_to_float64_than_q8_1(rng, qtype):
+    E, m, k, n, top_k = 8, 48, 256, 19, 2
+    raw = ref.random_blocks(qtype, E * m, k, rng)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(n)]).astype(np.int32)
+    flt = ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids)
+    e16 = ref.nmse(ref.mul_mat_id_emulated_f16(raw, qtype, (E, m, k), x, ids), flt)
+    e8 = ref.nmse(ref.mul_mat_id_emulated(raw, qtype, (E, m, k), x, ids), flt)
+    assert 0 < e16 < e8 / 10 and e16 < 1e-6
+
+
+def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
+    from moeforge.runtime import dispatch
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    monkeypatch.delenv("MOEFORGE_MMF", raising=False)
+    dense = dispatch.choose_mul_mat("q4_0", 5120, 2048, 512)
+    assert dense.path == "mmf" and dense.source == "rule" and not dense.spec.ids and dense.spec.x == 64
+    assert dispatch.choose_mul_mat("q8_0", 2048, 4096, 2048).spec.x == 128
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 511).path != "mmf"
+    # expert products keep their int8 tiles until a threshold is measured
+    assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096).path != "mmf_id"
+    monkeypatch.setattr(dispatch, "MMF_MIN_TOKENS_PER_EXPERT", 128)
+    assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 2048).path == "mmf_id"   # 128 an expert
+    assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 1024).path != "mmf_id"   # 64 an expert
+    monkeypatch.setenv("MOEFORGE_MMF", "0")
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
+    monkeypatch.delenv("MOEFORGE_MMF")
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 8)
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: None)   # no GPU
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
+
+
+def test_the_rules_tiles_are_generated(monkeypatch):
+    """The runtime may only choose what `moeforge generate` builds."""
+    from moeforge.codegen.enumerate import all_specs
+    from moeforge.codegen.quant import parse_types
+    from moeforge.runtime import dispatch
+    built = set(all_specs(parse_types("all")))
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    monkeypatch.setattr(dispatch, "MMF_MIN_TOKENS_PER_EXPERT", 128)
+    for qtype in MmfSpec.QTYPES:
+        for n, tpe in ((512, None), (4096, None), (2048, 128.0), (4096, 256.0)):
+            c = dispatch.mmf_choice(qtype, n, tpe)
+            assert c is not None and c.spec in built, c

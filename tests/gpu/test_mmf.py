@@ -1,0 +1,119 @@
+"""The f16 tensor-core path (MmfSpec), dense and MUL_MAT_ID, against both references:
+float64 on dequantized weights and the emulation of its own f16 rounding (pytest -m gpu)."""
+import numpy as np
+import pytest
+
+from moeforge import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+NMSE_FLOAT = 5e-4      # ggml's bar
+NMSE_EMULATED = 1e-10  # the emulation differs by float32 accumulation only
+
+SPECS = [  # (x, y, warps, kblocks, stages)
+    (64, 128, 4, 4, 3), (32, 128, 4, 8, 2), (128, 128, 8, 4, 3), (16, 64, 4, 16, 4), (8, 96, 2, 2, 2),
+]
+
+
+def _spec(qtype, ids, x, y, warps, kblocks, stages):
+    from moeforge.codegen.spec import MmfSpec
+    return MmfSpec(qtype, x=x, y=y, warps=warps, kblocks=kblocks, stages=stages, ids=ids)
+
+
+def _ids(rng, n, E, top_k, skew):
+    ids = np.stack([rng.choice(E, size=top_k, replace=False) for _ in range(n)]).astype(np.int32)
+    if skew:
+        # most tokens send their first choice to expert 1; experts past E/2 get nothing
+        ids = np.stack([rng.choice(E // 2, size=top_k, replace=False) for _ in range(n)]).astype(np.int32)
+        hot = rng.random(n) < 0.7
+        for t in np.nonzero(hot)[0]:
+            if 1 not in ids[t]:
+                ids[t, 0] = 1
+    return ids
+
+
+def _compare(got, emu, flt):
+    assert np.isfinite(got).all(), "unwritten or non-finite outputs"
+    e_emu, e_flt = ref.nmse(got, emu), ref.nmse(got, flt)
+    assert e_emu <= NMSE_EMULATED, f"NMSE vs emulation {e_emu:.3e}"
+    assert e_flt <= NMSE_FLOAT, f"NMSE vs float64 {e_flt:.3e}"
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("spec_i", range(len(SPECS)))
+@pytest.mark.parametrize("E,top_k,m,k,n,skew,per_slot", [
+    (8, 2, 96, 256, 33, False, False), (32, 4, 200, 416, 77, True, False), (128, 8, 72, 160, 300, True, False),
+    (16, 4, 136, 1056, 129, False, True), (8, 8, 40, 64, 5, False, False),
+])
+def test_mul_mat_id(rng, qtype, spec_i, E, top_k, m, k, n, skew, per_slot):
+    import cupy as cp
+    import moeforge
+    from moeforge.runtime import ops
+    from moeforge.runtime.dispatch import Choice
+    raw = ref.random_blocks(qtype, E * m, k, rng)
+    w = moeforge.QuantTensor.from_blocks(raw, qtype, (E, m, k))
+    x = (rng.standard_normal((n, top_k, k) if per_slot else (n, k)) * rng.uniform(0.1, 3.0)).astype(np.float32)
+    ids = _ids(rng, n, E, top_k, skew)
+    choice = Choice("mmf_id", _spec(qtype, True, *SPECS[spec_i]))
+    outs = []
+    for _ in range(2):
+        out = cp.full((n, top_k, m), np.nan, dtype=cp.float32)   # poisoned: every entry must be written
+        ops.run_mul_mat_id(w, cp.asarray(x), cp.asarray(ids), out, choice)
+        outs.append(out.get())
+    np.testing.assert_array_equal(outs[0], outs[1])               # bitwise the same run to run
+    _compare(outs[0], ref.mul_mat_id_emulated_f16(raw, qtype, (E, m, k), x, ids),
+             ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("spec_i", range(len(SPECS)))
+@pytest.mark.parametrize("m,k,n", [(200, 416, 77), (5120 // 8, 2048, 512), (72, 96, 9)])
+def test_mul_mat(rng, qtype, spec_i, m, k, n):
+    import cupy as cp
+    import moeforge
+    from moeforge.runtime import ops
+    from moeforge.runtime.dispatch import Choice
+    raw = ref.random_blocks(qtype, m, k, rng)
+    w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
+    x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0)).astype(np.float32)
+    out = cp.full((n, m), np.nan, dtype=cp.float32)
+    ops.run_mul_mat(w, cp.asarray(x), out, Choice("mmf", _spec(qtype, False, *SPECS[spec_i])))
+    ids = np.zeros((n, 1), dtype=np.int32)
+    _compare(out.get(), ref.mul_mat_id_emulated_f16(raw, qtype, (1, m, k), x, ids)[:, 0],
+             ref.mul_mat_float(ref.dequantize(raw, qtype, (m, k)), x))
+
+
+def test_swiglu_input_changes_no_bit(rng):
+    """glu: the conversion reads gate|up products as SiLU(gate) * up, bit for bit the
+    model's swiglu kernel followed by the plain conversion."""
+    import cupy as cp
+    import moeforge
+    from moeforge.codegen.spec import ModelSpec
+    from moeforge.runtime import ops
+    from moeforge.runtime.dispatch import Choice
+    from moeforge.runtime.kernels import load
+    E, top_k, ff, m, n = 16, 4, 96, 72, 37
+    raw = ref.random_blocks("q4_0", E * m, ff, rng)
+    w = moeforge.QuantTensor.from_blocks(raw, "q4_0", (E, m, ff))
+    ids = cp.asarray(_ids(rng, n, E, top_k, False))
+    gu = cp.asarray((rng.standard_normal((n, top_k, 2 * ff)) * 2).astype(np.float32))
+    act = cp.full((n, top_k, ff), np.nan, dtype=cp.float32)
+    load(ModelSpec(), "swiglu")((-(-act.size // 256),), (gu, act, np.int64(n * top_k), np.int32(ff)), block=256)
+    choice = Choice("mmf_id", _spec("q4_0", True, 32, 64, 4, 4, 3))
+    want = cp.full((n, top_k, m), np.nan, dtype=cp.float32)
+    got = cp.full((n, top_k, m), np.nan, dtype=cp.float32)
+    ops.run_mul_mat_id(w, act, ids, want, choice)
+    ops.run_mul_mat_id(w, gu, ids, got, choice, glu=True)
+    assert np.isfinite(want.get()).all()
+    np.testing.assert_array_equal(got.get(), want.get())
+
+
+def test_refuses_mismatched_routing():
+    import cupy as cp
+    import moeforge
+    from moeforge.runtime.mmf import run_mmf
+    rng = np.random.default_rng(0)
+    w = moeforge.QuantTensor.from_blocks(ref.random_blocks("q4_0", 64, 64, rng), "q4_0", (64, 64))
+    x = cp.ones((4, 64), dtype=cp.float32)
+    with pytest.raises(ValueError, match="needs expert ids"):
+        run_mmf(_spec("q4_0", True, 32, 64, 4, 4, 3), w, x, None, 1, cp.empty((4, 64), dtype=cp.float32))
