@@ -51,9 +51,10 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     return out
 
 
-# The f16 tiles the runtime's rule chooses (runtime.dispatch.mmf_choice); not yet in the
-# tuner's space.
-MMF_TILES = ((64, 128, 8, 4, 3), (128, 128, 4, 4, 2))
+# The f16 tiles: the two the runtime's rule chooses (runtime.dispatch.mmf_choice) and the
+# others that were within a few percent of them somewhere on the H100 (BENCHMARKS.md).
+MMF_TILES = ((64, 128, 8, 4, 3), (128, 128, 4, 4, 2), (32, 128, 4, 8, 3), (32, 256, 8, 8, 2),
+             (64, 256, 8, 4, 3))
 
 
 def mmf_specs(q: QuantType) -> list[MmfSpec]:

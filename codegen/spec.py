@@ -310,7 +310,8 @@ class MmfSpec(KernelSpec):
     Numerics: x and w rounded to f16 (11-bit significands) instead of x to q8_1 (8-bit),
     ggml's cuBLAS path. x: tokens per tile, y: weight rows per tile, warps split y,
     kblocks: 32-value blocks per pipeline stage, stages: cp.async depth. ids: MUL_MAT_ID
-    tiles from the routing launch."""
+    tiles from the routing launch. wn: warps along the tokens (2-D warp tiles: fewer
+    accumulators a thread for wide tiles, the rows' dequantization done once per wn warps)."""
     family: ClassVar[str] = "mmf"
     template: ClassVar[str] = "mmf.cu.j2"
     qtype: str
@@ -320,6 +321,7 @@ class MmfSpec(KernelSpec):
     kblocks: int = 4
     stages: int = 3
     ids: bool = True
+    wn: int = 1          # warps along the tile's tokens (the others split its rows)
     QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
 
@@ -330,7 +332,8 @@ class MmfSpec(KernelSpec):
     @property
     def name(self) -> str:
         fam = "mmf_id" if self.ids else "mmf"
-        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}k{self.kblocks}s{self.stages}"
+        wn = f"n{self.wn}" if self.wn > 1 else ""
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}{wn}k{self.kblocks}s{self.stages}"
 
     @property
     def threads(self) -> int:
@@ -339,10 +342,12 @@ class MmfSpec(KernelSpec):
     def check(self) -> None:
         if self.qtype not in self.QTYPES:
             raise ValueError(f"{self.name}: mmf dequantizes {', '.join(self.QTYPES)} only")
-        if self.x % 8 or not 8 <= self.x <= 128:
-            raise ValueError(f"{self.name}: x must be a multiple of 8 in [8, 128]")
-        if self.y % (16 * self.warps):
-            raise ValueError(f"{self.name}: y must be a multiple of 16*warps")
+        if self.wn not in (1, 2, 4) or self.warps % self.wn:
+            raise ValueError(f"{self.name}: wn must be 1, 2 or 4 and divide warps")
+        if self.x % (8 * self.wn) or not 8 <= self.x <= 128:
+            raise ValueError(f"{self.name}: x must be a multiple of 8*wn in [8, 128]")
+        if self.y % (16 * (self.warps // self.wn)) or self.y > 256:
+            raise ValueError(f"{self.name}: y must be a multiple of 16 * the row warps, at most 256")
         if self.kblocks not in (2, 4, 8, 16):
             raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
         if self.stages not in (2, 3, 4):

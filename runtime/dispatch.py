@@ -29,6 +29,7 @@ class Choice:
     path: str
     spec: KernelSpec
     source: str = "default"   # "default", "profile" or "rule" (mmf_choice)
+    paths: tuple[str, ...] = ()   # a profile entry's: the paths its study measured
 
 
 def _pow2_at_least(v: float, lo: int, hi: int) -> int:
@@ -85,13 +86,13 @@ def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool | 
     return MmqSpec(qtype, x=x, y=128, warps=4, kblocks=8, stages=2, ids=ids, stream_k=sk)
 
 
-# The f16 tensor-core path where it was measured to win: Hopper, dense products of prompt
-# size. MOEFORGE_MMF=0 turns it off (the int8 tiles of the profile or the defaults run).
-# Expert products: no threshold yet (inf): at 32 tokens an expert the int8 tiles won every
-# case, at 128 q4_0 was even and q8_0 won 8-17% (BENCHMARKS.md); the tuner will decide.
+# The f16 tensor-core path where it was measured to win on the H100 (mmf_choice).
+# MOEFORGE_MMF=0 turns it off (the int8 tiles of the profile or the defaults run).
 MMF_MIN_DENSE_TOKENS = 512
 MMF_WIDE_TILE_TOKENS = 2048
-MMF_MIN_TOKENS_PER_EXPERT = float("inf")
+MMF_TILE = (64, 128, 8, 4, 3)        # x, y, warps, kblocks, stages
+MMF_WIDE_TILE = (128, 128, 4, 4, 2)
+MMF_MIN_TOKENS_PER_EXPERT = 256
 MMF_CC_MAJOR = (9,)
 
 
@@ -107,12 +108,17 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None) -> Choice | 
     """The f16 tiles in place of any int8 choice, profile or default, where they won every
     measured case: on sm_90 (f16 mma.sync runs at half the int8 rate there, but MMQ spends
     ~27 issued instructions per int8 mma on per-block scale arithmetic and never gets near
-    that rate), dense products from 512 tokens. 64-token tiles of 8 warps below 2048 tokens
-    (128-token tiles leave SMs idle on 2048-row weights there), 128-token tiles from 2048.
-    H100, one call, hot, against the shipped profile's tiles (BENCHMARKS.md): q4_0 5120x2048
+    that rate), dense products from 512 tokens and expert products from 256 tokens an
+    expert. Dense: 64-token tiles of 8 warps below 2048 tokens (128-token tiles leave SMs
+    idle on 2048-row weights there), 128-token tiles from 2048; experts: 128-token tiles.
+    H100, hot, against the shipped profile's tiles (BENCHMARKS.md): q4_0 dense 5120x2048
     n=512 73.1 -> 67.0 us, 2048x4096 65.6 -> 52.2, n=2048 241.1 -> 174.7 and 212.4 -> 141.0;
-    q8_0 87.6 -> 81.9, 73.7 -> 54.7, 285.6 -> 180.3, 241.6 -> 147.9. Not a profile entry:
-    the tuner does not time this path yet; on other cards the int8 tiles stay."""
+    q8_0 87.6 -> 81.9, 73.7 -> 54.7, 285.6 -> 180.3, 241.6 -> 147.9; Qwen3 experts at
+    n=4096 (256 an expert) q4_0 gate 699.4 -> 574.0, down 789.5 -> 607.2, q8_0 963.6 ->
+    616.7, 1179.9 -> 649.6. At 128 tokens an expert they were even (0.94-1.06x), at 32 to 64
+    the int8 tiles won (0.77-0.94x). A profile entry whose study timed the f16 tiles as well
+    overrides this (choose_mul_mat*); the shipped profiles predate them. On other cards the
+    int8 tiles stay unless a profile says otherwise."""
     if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
         return None
     ids = tokens_per_expert is not None
@@ -120,17 +126,22 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None) -> Choice | 
         return None
     if _device_cc_major() not in MMF_CC_MAJOR:
         return None
-    x, warps, stages = (128, 4, 2) if n >= MMF_WIDE_TILE_TOKENS else (64, 8, 3)
-    return Choice("mmf_id" if ids else "mmf", MmfSpec(qtype, x=x, y=128, warps=warps, kblocks=4, stages=stages,
-                                                       ids=ids), "rule")
+    tile = MMF_WIDE_TILE if ids or n >= MMF_WIDE_TILE_TOKENS else MMF_TILE
+    return Choice("mmf_id" if ids else "mmf", MmfSpec(qtype, *tile, ids=ids), "rule")
+
+
+def _measured_f16(found: Choice | None) -> bool:
+    """A profile entry whose study timed the f16 tiles too: its choice stands."""
+    return found is not None and bool({"mmf", "mmf_id"} & set(found.paths))
 
 
 def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
     from .profiles_hook import lookup
-    rule = mmf_choice(qtype, n, n * top_k / E)
-    if rule is not None:
-        return rule
     found = lookup("mul_mat_id", qtype, (E, top_k, m, k), n)
+    if not _measured_f16(found):
+        rule = mmf_choice(qtype, n, n * top_k / E)
+        if rule is not None:
+            return rule
     return found if found is not None else default_mul_mat_id(qtype, E, top_k, m, k, n)
 
 
@@ -143,10 +154,11 @@ def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -
 
 def choose_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:
     from .profiles_hook import lookup
-    rule = mmf_choice(qtype, n, None)
-    if rule is not None:
-        return rule
     found = lookup("mul_mat", qtype, (1, 1, m, k), n)
+    if not _measured_f16(found):
+        rule = mmf_choice(qtype, n, None)
+        if rule is not None:
+            return rule
     return found if found is not None else default_mul_mat(qtype, m, k, n)
 
 

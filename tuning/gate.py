@@ -1,9 +1,10 @@
 """The correctness gate: no candidate is timed, let alone chosen, before its output agrees
 with both numpy references.
 
-The emulating reference (q8_1 activations, integer block dots) agrees with a correct kernel
-to float32 accumulation error, so it catches subtle bugs (a lost stream-k partial, a wrong
-scale); the float64 reference catches gross ones with ggml's own bar. To keep the gate cheap
+The emulating reference (q8_1 activations, integer block dots; for the f16 tensor-core
+path, weights and activations rounded to float16) agrees with a correct kernel to float32
+accumulation error, so it catches subtle bugs (a lost stream-k partial, a wrong scale); the
+float64 reference catches gross ones with ggml's own bar. To keep the gate cheap
 at large n, the references cover a subset: every output row that a y-tile edge or a random
 draw picks (bugs in the m direction hit whole tiles), and all tokens up to MAX_TOKENS, else
 a random subset plus the first and last tokens (routing bugs are per token). The subset is
@@ -71,6 +72,7 @@ class Reference:
     rows: np.ndarray
     emulated: np.ndarray     # (len(tokens), top_k, len(rows)) float64
     exact: np.ndarray
+    emulated_f16: np.ndarray  # the f16 path's own rounding (reference.mul_mat_id_emulated_f16)
 
     def pick(self, out: np.ndarray) -> np.ndarray:
         """The checked part of a full (n, top_k, m) output."""
@@ -87,16 +89,20 @@ def reference(raw: np.ndarray, qtype: str, shape, x: np.ndarray, ids: np.ndarray
     xs, idss = x[tokens], ids[tokens]
     emu = ref.mul_mat_id_emulated(sub, qtype, sub_shape, xs, idss)
     exact = ref.mul_mat_id_float(ref.dequantize(sub, qtype, sub_shape), xs, idss)
-    return Reference(tokens, rows, emu, exact)
+    emu16 = ref.mul_mat_id_emulated_f16(sub, qtype, sub_shape, xs, idss)
+    return Reference(tokens, rows, emu, exact, emu16)
 
 
-def compare(got: np.ndarray, r: Reference) -> dict:
-    """Raise GateFailure unless `got` (the checked part) passes both references."""
+def compare(got: np.ndarray, r: Reference, numerics: str = "q8_1") -> dict:
+    """Raise GateFailure unless `got` (the checked part) passes both references; numerics
+    "f16" holds it to the f16 path's emulation instead of q8_1's."""
     got = np.asarray(got)
     bad = int(np.size(got) - np.count_nonzero(np.isfinite(got)))
     if bad:
         raise GateFailure(f"{bad} of {got.size} checked outputs are NaN/inf (left unwritten or overflowed)")
-    e_emu, e_flt = ref.nmse(got, r.emulated), ref.nmse(got, r.exact)
+    if numerics not in ("q8_1", "f16"):
+        raise ValueError(f"unknown numerics {numerics!r}")
+    e_emu, e_flt = ref.nmse(got, r.emulated_f16 if numerics == "f16" else r.emulated), ref.nmse(got, r.exact)
     if not e_emu <= NMSE_EMULATED:
         raise GateFailure(f"NMSE vs the emulating reference {e_emu:.3e} > {NMSE_EMULATED:g}")
     if not e_flt <= NMSE_FLOAT:

@@ -81,6 +81,8 @@ def save_results(fp: dict, results, profile_dir, default_name, warn) -> Path | N
         extra = {"default_spec": default_name(r.key), "trials": r.trials}
         extra.update({k: round(float(v), 3) for k, v in r.attrs.items()})
         extra["kernel"] = source_hash(r.choice.spec)
+        if r.paths:
+            extra["paths"] = list(r.paths)
         prof.put(Entry(r.key, r.choice.path, r.choice.spec, r.best_us, r.default_us, extra))
         n += 1
     if not n:

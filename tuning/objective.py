@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import reference as ref
-from ..codegen.spec import KernelSpec
+from ..codegen.spec import KernelSpec, MmfSpec
 from ..runtime.dispatch import Choice
 from . import gate
 from .space import TuneKey
@@ -102,7 +102,7 @@ def check(case: Case, choice: Choice) -> dict:
         cp.cuda.get_current_stream().synchronize()
         got = r.pick(case.out.get())
         try:
-            res = gate.compare(got, r)
+            res = gate.compare(got, r, "f16" if isinstance(choice.spec, MmfSpec) else "q8_1")
         except gate.GateFailure as e:
             raise gate.GateFailure(f"{kind} routing: {e}") from None
         worst = {k: max(worst[k], v) for k, v in res.items()}

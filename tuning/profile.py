@@ -27,7 +27,7 @@ TOP_KEYS = {"schema_version", "fingerprint", "created", "entries"}
 ENTRY_REQUIRED = {"op": str, "qtype": str, "shape": list, "n": int, "path": str, "spec": dict,
                   "us": float, "default_us": float}
 ENTRY_OPTIONAL = {"default_spec": str, "us_random": float, "us_skewed": float, "trials": int,
-                  "kernel": str}
+                  "kernel": str, "paths": list}   # paths: those the study measured
 HEX = set("0123456789abcdef")
 
 
@@ -112,7 +112,7 @@ class Profile:
             d = abs(math.log2(e.key.n) - ln)
             if d < best_d and path_allows(op, e.path, e.spec, shape, n) is None:
                 best, best_d = e, d
-        return Choice(best.path, best.spec, "profile") if best else None
+        return Choice(best.path, best.spec, "profile", tuple(best.extra.get("paths", ()))) if best else None
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -162,6 +162,8 @@ def _check_entry(i: int, d) -> tuple[Entry | None, list[str]]:
         return None, [f"{at}: {why}"]
     if "kernel" in d and not (len(d["kernel"]) == 16 and set(d["kernel"]) <= HEX):
         return None, [f"{at}.kernel must be 16 lowercase hex digits, got {d['kernel']!r}"]
+    if "paths" in d and not (d["paths"] and all(p in PATHS[key.op] for p in d["paths"])):
+        return None, [f"{at}.paths must list paths of {PATHS[key.op]}, got {d['paths']!r}"]
     extra = {k: d[k] for k in ENTRY_OPTIONAL if k in d}
     return Entry(key, d["path"], spec, float(d["us"]), float(d["default_us"]), extra), []
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 from ..codegen import enumerate as enum
 from ..codegen.quant import quant_type
-from ..codegen.spec import KernelSpec, MmqSpec, MmvqSpec
+from ..codegen.spec import KernelSpec, MmfSpec, MmqSpec, MmvqSpec
 from ..runtime import dispatch
 from ..runtime.dispatch import Choice
 
 OPS = ("mul_mat_id", "mul_mat")
-PATHS = {"mul_mat_id": ("mmvq", "mmq_id", "per_expert"), "mul_mat": ("mmvq", "mmq")}
+PATHS = {"mul_mat_id": ("mmvq", "mmq_id", "per_expert", "mmf_id"), "mul_mat": ("mmvq", "mmq", "mmf")}
+F16_PATHS = ("mmf_id", "mmf")
 # Token buckets: powers of two, so that the nearest bucket at run time is at most a factor
 # sqrt(2) away; 1..4096 covers every n of the anchor tables (decode to long prefill).
 BUCKETS = tuple(2 ** i for i in range(13))
@@ -90,6 +91,12 @@ def path_allows(op: str, path: str, spec: KernelSpec, shape, n: int) -> str | No
         if not mmvq_allowed(op, shape, n):
             return f"mmvq handles n <= {mmvq_limit(op)} for {op}"
         return None
+    if path in F16_PATHS:
+        if not isinstance(spec, MmfSpec):
+            return f"the {path} path runs mmf specs"
+        if spec.ids != (path == "mmf_id"):
+            return f"path {path} needs an mmf spec with ids={path == 'mmf_id'}"
+        return None
     if not isinstance(spec, MmqSpec):
         return f"the {path} path runs mmq specs"
     if spec.ids != (path == "mmq_id"):
@@ -106,6 +113,8 @@ def knobs(choice: Choice) -> dict:
         # prequant instances are generated only with streaming loads and PDL: one knob
         return {"tokens": s.tokens, "warps": s.warps, "rows": s.rows, "per_pair": s.per_pair,
                 "prequant": s.prequant}
+    if isinstance(s, MmfSpec):
+        return {"x": s.x, "yw": f"y{s.y}w{s.warps}n{s.wn}", "kblocks": s.kblocks, "stages": s.stages}
     return {"x": s.x, "yw": f"y{s.y}w{s.warps}", "kblocks": s.kblocks, "stages": s.stages,
             "stream_k": s.stream_k}
 
@@ -203,6 +212,21 @@ def build(key: TuneKey, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Space:
             else:
                 why = _tile_reason(spec.x, tokens, key.n)
             (pruned.append((f"{path}:{spec.name}", why)) if why else choices.append(Choice(path, spec, "tuned")))
+    f16_path = "mmf_id" if ids else "mmf"
+    for spec in enum.mmf_specs(q):
+        if spec.ids != ids:
+            continue
+        tokens = key.tokens_per_expert if ids else float(key.n)
+        why = None
+        if key.n <= dispatch.MMVQ_MAX_TOKENS:
+            why = f"f16 tiles at n={key.n}: the mat-vec path's range"
+        elif spec.smem_bytes() > smem_limit:
+            why = f"needs {spec.smem_bytes()} B of shared memory, the device allows {smem_limit}"
+        elif spec.y > max(64, _pow2_ceil(m)):
+            why = f"y={spec.y} rows per tile, more than m={m}"
+        else:
+            why = _tile_reason(spec.x, tokens, key.n)
+        (pruned.append((f"{f16_path}:{spec.name}", why)) if why else choices.append(Choice(f16_path, spec, "tuned")))
     # dispatch runs the default whatever the rules above say, so the baseline is always
     # measurable; only an instance that cannot launch here is left out.
     default = default_choice(key)
@@ -249,6 +273,10 @@ def seeds(space: Space) -> list[Choice]:
             continue
         if path == "mmvq":
             spec = dispatch.default_mmvq(k.qtype, k.n, ids=k.op == "mul_mat_id")
+        elif path in F16_PATHS:
+            ids = path == "mmf_id"
+            spec = MmfSpec(k.qtype, *(dispatch.MMF_WIDE_TILE if ids or k.n >= dispatch.MMF_WIDE_TILE_TOKENS
+                                      else dispatch.MMF_TILE), ids=ids)
         else:
             t = k.tokens_per_expert if path != "mmq" else k.n
             spec = dispatch.default_mmq(k.qtype, t, ids=path == "mmq_id")

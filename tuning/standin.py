@@ -21,9 +21,9 @@ def value(path: str, spec: dict) -> float:
     """Smooth enough for a sampler to learn, with one best point per path."""
     if spec["family"] == "mmvq":
         return 10.0 + abs(spec["tokens"] - 4) + 0.5 * abs(spec["warps"] - 4) + 0.25 * spec["rows"]
-    base = {"mmq_id": 20.0, "per_expert": 24.0, "mmq": 22.0}[path]
+    base = {"mmq_id": 20.0, "per_expert": 24.0, "mmq": 22.0, "mmf_id": 26.0, "mmf": 26.0}[path]
     return (base + abs(math.log2(spec["x"]) - 4) * 3 + (spec["y"] // 64) * 0.7 + spec["warps"] * 0.1
-            + (0.0 if spec["stages"] == 3 else 0.4) + (0.0 if spec["stream_k"] else 0.9))
+            + (0.0 if spec["stages"] == 3 else 0.4) + (0.0 if spec.get("stream_k", True) else 0.9))
 
 
 def _log(event: str, req: dict) -> None:

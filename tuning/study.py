@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 
 from . import fingerprint as fpmod
 from .isolate import IsolatedRunner, TrialFailed
-from .space import Space, TuneKey, build, default_choice, params_of, seeds
+from .space import PATHS, Space, TuneKey, build, default_choice, params_of, seeds
 from .storage import GRACE_S, HEARTBEAT_S, make_storage, reclaim_dead, worker_id
 
 OBJECTIVE_VERSION = "v1"     # bump when what a trial measures changes (routing, weights, value)
@@ -311,6 +311,7 @@ class Result:
     choice: object | None           # the winner (the default when nothing beat it)
     attrs: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)   # (spec, reason), for the report
+    paths: list = field(default_factory=list)      # the paths among the measured trials
 
     @property
     def speedup(self) -> float | None:
@@ -340,5 +341,6 @@ def result(storage, fp: dict, key: TuneKey, smem_limit: int) -> Result | None:
         best = dtrial
     res.best_us = best.value
     res.choice = space.lookup(dict(best.params))
+    res.paths = sorted({t.params["path"] for t in ok}, key=PATHS[key.op].index)
     res.attrs = {k: v for k, v in best.user_attrs.get("result", {}).items() if k in ("us_random", "us_skewed")}
     return res

@@ -69,6 +69,24 @@ def test_compare_catches_unwritten_and_wrong_outputs(rng):
         gate.compare(subtle, r)
 
 
+def test_f16_candidates_are_held_to_their_own_emulation(rng):
+    """An f16-path output passes with numerics="f16" and fails the q8_1 emulation (the two
+    roundings differ by far more than 1e-10), and vice versa: the gate must pick per path."""
+    E, top_k, m, k, n = 4, 2, 64, 256, 40
+    raw = ref.random_blocks("q8_0", E * m, k, rng)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    ids = gate.routing("random", n, E, top_k, rng)
+    r = gate.reference(raw, "q8_0", (E, m, k), x, ids, gate.check_tokens(n, rng), gate.check_rows(m, rng))
+    f16 = r.emulated_f16.astype(np.float32)
+    assert gate.compare(f16, r, "f16")["nmse_emulated"] <= gate.NMSE_EMULATED
+    with pytest.raises(gate.GateFailure, match="emulating"):
+        gate.compare(f16, r)
+    with pytest.raises(gate.GateFailure, match="emulating"):
+        gate.compare(r.emulated.astype(np.float32), r, "f16")
+    with pytest.raises(ValueError, match="numerics"):
+        gate.compare(f16, r, "bf16")
+
+
 STANDIN = "moeforge.tuning.standin:Handler"
 TRIAL = {"op": "trial", "path": "mmq_id",
          "spec": {"family": "mmq", "qtype": "q4_0", "x": 16, "y": 64, "warps": 4, "kblocks": 8, "stages": 3,

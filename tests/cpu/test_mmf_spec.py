@@ -9,7 +9,7 @@ from moeforge.codegen.spec import KernelSpec, MmfSpec
 @pytest.mark.parametrize("kw,msg", [
     (dict(qtype="q4_K"), "dequantizes"),
     (dict(x=12), "multiple of 8"),
-    (dict(y=96, warps=4), "16\\*warps"),
+    (dict(y=96, warps=4), "row warps"),
     (dict(kblocks=3), "kblocks"),
     (dict(stages=5), "stages"),
 ])
@@ -58,11 +58,9 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     assert dense.path == "mmf" and dense.source == "rule" and not dense.spec.ids and dense.spec.x == 64
     assert dispatch.choose_mul_mat("q8_0", 2048, 4096, 2048).spec.x == 128
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 511).path != "mmf"
-    # expert products keep their int8 tiles until a threshold is measured
-    assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096).path != "mmf_id"
-    monkeypatch.setattr(dispatch, "MMF_MIN_TOKENS_PER_EXPERT", 128)
-    assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 2048).path == "mmf_id"   # 128 an expert
-    assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 1024).path != "mmf_id"   # 64 an expert
+    moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
+    assert moe.path == "mmf_id" and moe.spec.ids and moe.spec.x == 128
+    assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 2048).path != "mmf_id"   # 128 an expert
     monkeypatch.setenv("MOEFORGE_MMF", "0")
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
     monkeypatch.delenv("MOEFORGE_MMF")
@@ -79,8 +77,20 @@ def test_the_rules_tiles_are_generated(monkeypatch):
     from moeforge.runtime import dispatch
     built = set(all_specs(parse_types("all")))
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
-    monkeypatch.setattr(dispatch, "MMF_MIN_TOKENS_PER_EXPERT", 128)
     for qtype in MmfSpec.QTYPES:
-        for n, tpe in ((512, None), (4096, None), (2048, 128.0), (4096, 256.0)):
+        for n, tpe in ((512, None), (4096, None), (4096, 256.0), (8192, 1024.0)):
             c = dispatch.mmf_choice(qtype, n, tpe)
             assert c is not None and c.spec in built, c
+
+
+def test_a_tuned_entry_that_timed_the_f16_path_stands_over_the_rule(monkeypatch):
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import dispatch, profiles_hook
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    int8 = MmqSpec("q4_0", x=32, y=128, warps=4, ids=False)
+    older = dispatch.Choice("mmq", int8, "profile")                      # tuned before f16 tiles existed
+    newer = dispatch.Choice("mmq", int8, "profile", ("mmq", "mmf"))      # timed them, kept int8
+    monkeypatch.setattr(profiles_hook, "lookup", lambda *a: older)
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path == "mmf"
+    monkeypatch.setattr(profiles_hook, "lookup", lambda *a: newer)
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512) == newer

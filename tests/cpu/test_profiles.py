@@ -77,6 +77,9 @@ MUTATIONS = {
     "per_expert ids": (lambda d: d["entries"][4]["spec"].update(ids=True), "ids=False"),
     "unknown path": (lambda d: d["entries"][2].update(path="cublas"), "path must be one of"),
     "entry field": (lambda d: d["entries"][0].update(speed=3), "speed is not a known field"),
+    "paths type": (lambda d: d["entries"][2].update(paths="mmq_id"), "paths must be list"),
+    "paths unknown": (lambda d: d["entries"][2].update(paths=["mmq_id", "cublas"]), "paths must list paths"),
+    "paths of the other op": (lambda d: d["entries"][2].update(paths=["mmq"]), "paths must list paths"),
     "duplicate": (lambda d: d["entries"].append(copy.deepcopy(d["entries"][0])), "repeats"),
 }
 
@@ -250,3 +253,18 @@ def test_dispatch_uses_the_profile_through_the_hook(tmp_path, monkeypatch):
         assert len(msgs) == 1 and "gpu" in msgs[0] and "cc" in msgs[0], msgs
     finally:
         activate.reset()
+
+
+def test_entries_record_the_paths_their_study_measured(tmp_path):
+    """save_results writes them, load gives them back, and the run-time choice carries them
+    (dispatch lets such an entry stand over its f16 rule)."""
+    from moeforge.tuning.merge import save_results
+    from moeforge.tuning.study import Result
+    key = TuneKey("mul_mat_id", "q4_0", QWEN, 4096)
+    win = dispatch.Choice("mmq_id", MmqSpec("q4_0", x=64, y=128, warps=4, stages=2, stream_k=False), "tuned")
+    res = Result(key, "s", 9, 0, 30.0, 20.0, win, paths=["mmq_id", "per_expert", "mmf_id"])
+    path = save_results(fake_fp(), [res], tmp_path, lambda k: "default", lambda m: None)
+    prof = pm.load(path)
+    assert prof.entries[key].extra["paths"] == ["mmq_id", "per_expert", "mmf_id"]
+    c = prof.choose("mul_mat_id", "q4_0", QWEN, 4096)
+    assert c.spec == win.spec and c.paths == ("mmq_id", "per_expert", "mmf_id")

@@ -99,7 +99,7 @@ def test_rows_per_tile_bounded_by_m():
 
 def test_dense_op_space():
     s = build(TuneKey("mul_mat", "q8_0", (1, 1, 4096, 4096), 512))
-    assert s.paths == ["mmq"]
+    assert s.paths == ["mmq", "mmf"]
     assert all(not c.spec.ids for c in s.choices)
     s = build(TuneKey("mul_mat", "q8_0", (1, 1, 4096, 4096), 4))
     assert "mmvq" in s.paths  # dense mmq tiles start at 16 tokens: pruned this far below
@@ -152,3 +152,19 @@ def test_every_shipped_entry_can_be_seeded(monkeypatch):
         for key, e in load(f).entries.items():
             monkeypatch.setattr(profiles_hook, "_lookup", lambda *a, e=e: Choice(e.path, e.spec, "profile"))
             assert any(c.spec == e.spec for c in seeds(build(key))), (f.name, key.label, e.spec.name)
+
+
+def test_f16_tiles_join_the_space_where_they_can_win():
+    """The f16 path is a candidate past the mat-vec range, with its own knob names; seeds
+    include its default-like tile, so every study times it at least once."""
+    from moeforge.codegen.spec import MmfSpec
+    from moeforge.tuning.space import seeds
+    s = build(TuneKey("mul_mat_id", "q4_0", QWEN, 4096))
+    f16 = [c for c in s.choices if c.path == "mmf_id"]
+    assert f16 and all(isinstance(c.spec, MmfSpec) and c.spec.ids for c in f16)
+    assert any(c.path == "mmf_id" for c in seeds(s))
+    assert all(k.startswith("mmf_id.") for c in f16 for k in params_of(c) if k != "path")
+    assert "mmf_id" not in build(TuneKey("mul_mat_id", "q4_0", QWEN, 8)).paths
+    small = build(TuneKey("mul_mat_id", "q4_0", QWEN, 4096), smem_limit=64 * 1024)
+    assert not any(c.path == "mmf_id" for c in small.choices)
+    assert any(name.startswith("mmf_id:") and "shared memory" in why for name, why in small.pruned)

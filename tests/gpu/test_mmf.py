@@ -10,14 +10,15 @@ pytestmark = pytest.mark.gpu
 NMSE_FLOAT = 5e-4      # ggml's bar
 NMSE_EMULATED = 1e-10  # the emulation differs by float32 accumulation only
 
-SPECS = [  # (x, y, warps, kblocks, stages)
-    (64, 128, 4, 4, 3), (32, 128, 4, 8, 2), (128, 128, 8, 4, 3), (16, 64, 4, 16, 4), (8, 96, 2, 2, 2),
+SPECS = [  # (x, y, warps, kblocks, stages, warps along the tokens)
+    (64, 128, 4, 4, 3, 1), (32, 128, 4, 8, 2, 1), (128, 128, 8, 4, 3, 1), (16, 64, 4, 16, 4, 1), (8, 96, 2, 2, 2, 1),
+    (64, 128, 8, 4, 3, 2), (128, 256, 8, 4, 2, 2), (32, 64, 4, 8, 3, 4),
 ]
 
 
-def _spec(qtype, ids, x, y, warps, kblocks, stages):
+def _spec(qtype, ids, x, y, warps, kblocks, stages, wn=1):
     from moeforge.codegen.spec import MmfSpec
-    return MmfSpec(qtype, x=x, y=y, warps=warps, kblocks=kblocks, stages=stages, ids=ids)
+    return MmfSpec(qtype, x=x, y=y, warps=warps, kblocks=kblocks, stages=stages, ids=ids, wn=wn)
 
 
 def _ids(rng, n, E, top_k, skew):
