@@ -68,7 +68,7 @@ def sweep_choices(qtype: str, shape, n: int):
 
 
 def _choices(mode: str, qtype: str, shape, n: int):
-    from .codegen.spec import MmqSpec
+    from .codegen.spec import MmfSpec, MmqSpec
     from .runtime import dispatch
     E, top_k, m, k = shape
     default = dispatch.choose_mul_mat_id(qtype, E, top_k, m, k, n)
@@ -76,10 +76,10 @@ def _choices(mode: str, qtype: str, shape, n: int):
         return [default]
     if mode == "sweep":
         return [default] + [c for c in sweep_choices(qtype, shape, n) if c.spec != default.spec]
-    paths = dispatch.PATHS if mode == "all" else tuple(mode.split(","))
+    paths = tuple(p for p in dispatch.PATHS if p != "mmf") if mode == "all" else tuple(mode.split(","))
     out = []
     for p in paths:
-        if p == "mmvq" and n > dispatch.MMVQ_MAX_TOKENS:
+        if p == "mmvq" and n > dispatch.MMVQ_MAX_TOKENS or p == "mmf_id" and n <= dispatch.MMVQ_MAX_TOKENS:
             continue
         if p == default.path:
             out.append(default)
@@ -90,6 +90,10 @@ def _choices(mode: str, qtype: str, shape, n: int):
         elif p == "per_expert":
             out.append(dispatch.Choice("per_expert", MmqSpec(qtype, x=64, y=64, warps=4, stages=3,
                                                              ids=False, stream_k=False)))
+        elif p == "mmf_id" and qtype in MmfSpec.QTYPES:
+            out.append(dispatch.Choice("mmf_id", MmfSpec(qtype, *dispatch.MMF_WIDE_TILE, ids=True)))
+        elif p not in dispatch.PATHS or p == "mmf":
+            raise ValueError(f"unknown expert-product path {p!r}; choose from mmvq, mmq_id, per_expert, mmf_id")
     return out
 
 

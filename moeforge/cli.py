@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the anchor shapes)")
     b.add_argument("--n", default=None, help="token counts, comma separated")
     b.add_argument("--paths", default="default",
-                   help="'default', 'all', 'sweep' (many specs, best shown), or a list of mmvq,mmq_id,per_expert")
+                   help="'default', 'all', 'sweep' (many specs, best shown), or a list of mmvq,mmq_id,per_expert,mmf_id")
     b.add_argument("--ops", default="mul_mat_id,gate_up", help="mul_mat_id and/or gate_up (the fused decode call)")
     b.add_argument("--reps", type=int, default=50)
     b.add_argument("--json", default=None, help="write the numbers to this file")

@@ -94,3 +94,12 @@ def test_a_tuned_entry_that_timed_the_f16_path_stands_over_the_rule(monkeypatch)
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path == "mmf"
     monkeypatch.setattr(profiles_hook, "lookup", lambda *a: newer)
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512) == newer
+
+
+def test_bench_paths_include_the_f16_tiles_past_decode_sizes():
+    from moeforge.bench import _choices
+    qwen = (128, 8, 768, 2048)
+    assert "mmf_id" in [c.path for c in _choices("all", "q4_0", qwen, 512)]
+    assert "mmf_id" not in [c.path for c in _choices("all", "q4_0", qwen, 4)]
+    with pytest.raises(ValueError, match="unknown expert-product path 'mmf'"):
+        _choices("mmf", "q4_0", qwen, 512)
