@@ -11,17 +11,19 @@ from moeforge.codegen.spec import ModelSpec, UtilSpec
 from moeforge.runtime import ops
 
 
-def _silu_expression(src: str, lhs: str) -> str:
-    m = re.search(lhs + r"\s*(?:=|return)\s*([^;]+);", src)
-    assert m, lhs
-    return m.group(1).strip()
-
-
-def test_quantizer_swiglu_is_the_swiglu_kernels_expression():
+def test_every_swiglu_is_the_one_definition():
+    """The model's swiglu kernels, the quantizers' SwiGLU input and the f16 converter's all
+    call silu_times from act.cuh.j2, defined once in each compile unit."""
+    from moeforge.codegen.spec import MmfSpec
     util, model = render(UtilSpec()), render(ModelSpec())
-    ours = _silu_expression(util, r"DEV float silu_times\(float g, float u\) \{")
-    theirs = _silu_expression(model.split("void swiglu(")[1], r"out\[idx\]")
-    assert ours == theirs == "g / (1.0f + __expf(-g)) * u"
+    mmf = render(MmfSpec("q4_0", x=64, y=128, warps=8))
+    for src in (util, model, mmf):
+        assert src.count("DEV float silu_times(float g, float u) { return g / (1.0f + __expf(-g)) * u; }") == 1
+        assert src.count("/ (1.0f + __expf(-") == 1      # no second SiLU written out
+    for kernel in ("void swiglu(", "void swiglu_split("):
+        body = model.split(kernel)[1].split("\n}")[0]
+        assert re.search(r"out\[idx\] = silu_times\(", body), kernel
+    assert "silu_times(g.x, u.x)" in util and "silu_times(g.x, u.x)" in mmf
 
 
 def test_both_quantizing_launches_take_the_glu_switch():
