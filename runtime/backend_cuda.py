@@ -20,8 +20,8 @@ from . import dispatch, ops, prompt_attention
 from .backend import Backend, KVCache
 from .device import device_info, require_gpu
 from .graphs import PassGraphs
-from .kernels import load
-from .moe_cuda import CudaMoeOps, _grid
+from .kernels import grid_1d, load
+from .moe_cuda import CudaMoeOps
 from .tensor import QuantTensor
 
 _i32, _f32 = np.int32, np.float32
@@ -191,12 +191,12 @@ class CudaBackend(CudaMoeOps, Backend):
     def rope_(self, x, pos, n_heads, base):
         n, hd = x.shape[0], x.shape[1] // n_heads
         total = n * n_heads * (hd // 2)
-        self.kernel("rope_neox")(_grid(total), (256,), (x, pos, _i32(n), _i32(n_heads), _i32(hd),
+        self.kernel("rope_neox")(grid_1d(total), (256,), (x, pos, _i32(n), _i32(n_heads), _i32(hd),
                                                         _f32(math.log2(base))))
 
     def kv_store_(self, cache, il, k, v, pos, pos0):
         n = k.shape[0]
-        self.kernel("kv_store")(_grid(n * self.hp.kv_dim), (256,), (k, v, cache.k[il], cache.v[il], pos, _i32(n),
+        self.kernel("kv_store")(grid_1d(n * self.hp.kv_dim), (256,), (k, v, cache.k[il], cache.v[il], pos, _i32(n),
                                                                     _i32(self.hp.kv_dim)))
 
     def qk_norm_rope_store_(self, cache, il, q, k, v, L, pos, pos0):
@@ -296,7 +296,7 @@ class CudaBackend(CudaMoeOps, Backend):
         self.kernel("dense_f32_tiled")((-(-m // T), -(-n // T), splits), (256,),
                                        (w, x, dst, _i32(m), _i32(k), _i32(n), _i32(kc)))
         if splits > 1:
-            self.kernel("dense_f32_reduce")(_grid(n * m), (256,), (dst, out, _i32(splits), np.int64(n * m)))
+            self.kernel("dense_f32_reduce")(grid_1d(n * m), (256,), (dst, out, _i32(splits), np.int64(n * m)))
 
     def _device(self) -> dict:
         return device_info(self.cp.cuda.Device().id)

@@ -41,6 +41,11 @@ class LoadedKernel:
             self.function(grid, (threads,), args, shared_mem=smem, stream=stream)
 
 
+def grid_1d(total: int, block: int = 256) -> tuple[int]:
+    """Blocks of `block` threads covering `total` items (at least one block)."""
+    return (max(1, -(-int(total) // block)),)
+
+
 def _occupancy(info: dict, regs: int, threads: int, smem: int) -> int:
     by_regs = info["regs_per_sm"] // max(1, regs * threads) if regs else 32
     by_smem = (info["smem_per_sm"] - 1024) // (smem + 1024) if smem else 32

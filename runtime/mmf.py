@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..codegen.spec import MmfSpec
-from .kernels import load
+from .kernels import grid_1d, load
 from .ops import _NULL, WORKSPACE, _act_width, _aligned, _i32, _round_up, _util
 from .tensor import QuantTensor
 
@@ -17,8 +17,7 @@ def x_to_f16(spec: MmfSpec, x2d, glu: bool = False):
     rows, k = x2d.shape[0], _act_width(x2d, glu)
     kp = _round_up(k // 32, MmfSpec.X_PAD_BLOCKS) * 32
     xh = WORKSPACE.get("x_f16", rows * kp * 2, np.uint16).reshape(rows, kp)
-    groups = rows * kp // 4
-    load(spec, "mmf_x_to_f16")((-(-groups // 256),), (_aligned(x2d), xh, _i32(rows), _i32(k), _i32(kp),
+    load(spec, "mmf_x_to_f16")(grid_1d(rows * kp // 4), (_aligned(x2d), xh, _i32(rows), _i32(k), _i32(kp),
                                                       _i32(int(glu))), block=256, smem=0)
     return xh, kp
 

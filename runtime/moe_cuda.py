@@ -9,12 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import dispatch, ops
+from .kernels import grid_1d
 
 _i32, _f32 = np.int32, np.float32
-
-
-def _grid(total: int, block: int = 256) -> tuple[int]:
-    return (max(1, -(-int(total) // block)),)
 
 
 class GluProducts:
@@ -124,7 +121,7 @@ class CudaMoeOps:
         n, E = logits.shape
         ids = self.ws("ids", (n, top_k), np.int32)
         wts = self.ws("wts", (n, top_k))
-        self.kernel("route_topk")(_grid(n, 4), (128,), (logits, _i32(n), _i32(E), _i32(top_k), _f32(scale),
+        self.kernel("route_topk")(grid_1d(n, 4), (128,), (logits, _i32(n), _i32(E), _i32(top_k), _f32(scale),
                                                            ids, wts))
         return ids, wts
 
@@ -133,14 +130,14 @@ class CudaMoeOps:
         ff = two_ff // 2
         out = self.ws(name, (*lead, ff))
         rows = out.size // ff
-        self.kernel("swiglu")(_grid(out.size), (256,), (gu, out, np.int64(rows), _i32(ff)))
+        self.kernel("swiglu")(grid_1d(out.size), (256,), (gu, out, np.int64(rows), _i32(ff)))
         return out
 
     def swiglu_split(self, g, u, name):
         out = self.ws(name, g.shape)
-        self.kernel("swiglu_split")(_grid(out.size), (256,), (g, u, out, np.int64(out.size)))
+        self.kernel("swiglu_split")(grid_1d(out.size), (256,), (g, u, out, np.int64(out.size)))
         return out
 
     def moe_combine_(self, x, y, wts):
         n, top_k, d = y.shape
-        self.kernel("moe_combine")(_grid(n * d), (256,), (x, y, wts, _i32(n), _i32(top_k), _i32(d)))
+        self.kernel("moe_combine")(grid_1d(n * d), (256,), (x, y, wts, _i32(n), _i32(top_k), _i32(d)))
