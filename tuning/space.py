@@ -196,37 +196,26 @@ def build(key: TuneKey, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Space:
         if why is None and spec.tokens > _pow2_ceil(key.n):
             why = f"tokens={spec.tokens} vector slots, more than n={key.n} can fill"
         (pruned.append((spec.name, why)) if why else choices.append(c))
-    mmq_paths = ("mmq_id", "per_expert") if ids else ("mmq",)
-    for spec in enum.mmq_specs(q):
-        for path in mmq_paths:
-            if path_allows(key.op, path, spec, key.shape, key.n) is not None:
-                continue
-            tokens = key.tokens_per_expert if path != "mmq" else float(key.n)
-            why = None
-            if spec.smem_bytes() > smem_limit:
-                why = f"needs {spec.smem_bytes()} B of shared memory, the device allows {smem_limit}"
-            elif path == "per_expert" and tokens < PER_EXPERT_MIN_TOKENS:
-                why = f"per-expert launches with ~{tokens:g} tokens per expert (< {PER_EXPERT_MIN_TOKENS})"
-            elif spec.y > max(64, _pow2_ceil(m)):
-                why = f"y={spec.y} rows per tile, more than m={m}"
-            else:
-                why = _tile_reason(spec.x, tokens, key.n)
-            (pruned.append((f"{path}:{spec.name}", why)) if why else choices.append(Choice(path, spec, "tuned")))
-    f16_path = "mmf_id" if ids else "mmf"
-    for spec in enum.mmf_specs(q):
-        if spec.ids != ids:
+    # the tiles: int8 (one spec may serve two paths) and f16, pruned by the same rules
+    tile_paths = ("mmq_id", "per_expert") if ids else ("mmq",)
+    tiles = [(path, spec) for spec in enum.mmq_specs(q) for path in tile_paths]
+    tiles += [("mmf_id" if ids else "mmf", spec) for spec in enum.mmf_specs(q)]
+    for path, spec in tiles:
+        if path_allows(key.op, path, spec, key.shape, key.n) is not None:
             continue
-        tokens = key.tokens_per_expert if ids else float(key.n)
+        tokens = float(key.n) if path in ("mmq", "mmf") else key.tokens_per_expert
         why = None
-        if key.n <= dispatch.MMVQ_MAX_TOKENS:
+        if path in F16_PATHS and key.n <= dispatch.MMVQ_MAX_TOKENS:
             why = f"f16 tiles at n={key.n}: the mat-vec path's range"
         elif spec.smem_bytes() > smem_limit:
             why = f"needs {spec.smem_bytes()} B of shared memory, the device allows {smem_limit}"
+        elif path == "per_expert" and tokens < PER_EXPERT_MIN_TOKENS:
+            why = f"per-expert launches with ~{tokens:g} tokens per expert (< {PER_EXPERT_MIN_TOKENS})"
         elif spec.y > max(64, _pow2_ceil(m)):
             why = f"y={spec.y} rows per tile, more than m={m}"
         else:
             why = _tile_reason(spec.x, tokens, key.n)
-        (pruned.append((f"{f16_path}:{spec.name}", why)) if why else choices.append(Choice(f16_path, spec, "tuned")))
+        (pruned.append((f"{path}:{spec.name}", why)) if why else choices.append(Choice(path, spec, "tuned")))
     # dispatch runs the default whatever the rules above say, so the baseline is always
     # measurable; only an instance that cannot launch here is left out.
     default = default_choice(key)
