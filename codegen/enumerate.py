@@ -46,6 +46,11 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
         # the model's expert gate/up after the router, x quantized by the norm before it
         out += [MmvqSpec.decode(q.name, rows=rows, act=act, bias=bias, wait_first=True)
                 for act, bias in product(MmvqSpec.ACTS, (False, True))]
+    # one token with experts: the guessing forms the defaults run there
+    out += [MmvqSpec.decode(q.name, guess=True)]
+    for rows in (2, 1) if q.qs_bytes == 16 else (1,):
+        out += [MmvqSpec.decode(q.name, rows=rows, act=act, bias=bias, guess=True)
+                for act, bias in product(MmvqSpec.ACTS, (False, True))]
     # the model's down product adding its experts' weighted sum to the residual (top_k <= warps)
     out += [dataclasses.replace(MmvqSpec.decode(q.name), warps=w, combine=True) for w in (1, 2, 4, 8)]
     return out

@@ -225,6 +225,10 @@ class MmvqSpec(KernelSpec):
     combine (per-pair, ids, plain product): block (x, t) computes rows of all of token t's
     slots (warp j: slot j, top_k <= warps) and adds their weighted sum to the residual row
     instead of writing the slots' outputs (the model's down product at decode).
+    guess (prequant, pdl, ids; not wait_first, not combine): the blocks request the weights
+    of the expert ids read before the wait, which a kernel in flight may still be writing,
+    and check them after it (a stale guess is computed again), so the quantizer before may
+    release the product at once (the one-token default).
     All off by default, which renders the source the shipped profiles were tuned with.
     """
     family: ClassVar[str] = "mmvq"
@@ -242,15 +246,16 @@ class MmvqSpec(KernelSpec):
     prequant: bool = False
     wait_first: bool = False
     combine: bool = False
+    guess: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
     @classmethod
     def decode(cls, qtype: str, *, ids: bool = True, rows: int = 4, act: str | None = None,
-               bias: bool = False, wait_first: bool = False) -> "MmvqSpec":
+               bias: bool = False, wait_first: bool = False, guess: bool = False) -> "MmvqSpec":
         """The one-token form: per pair, x quantized just before, streaming weights, PDL."""
         return cls(qtype, tokens=1, warps=4, rows=rows, ids=ids, act=act, bias=bias, per_pair=True,
-                   prequant=True, evict_first=True, pdl=True, wait_first=wait_first)
+                   prequant=True, evict_first=True, pdl=True, wait_first=wait_first, guess=guess)
 
     @property
     def quant(self) -> QuantType:
@@ -267,7 +272,8 @@ class MmvqSpec(KernelSpec):
         xq = "-xq" if self.prequant else ""
         wf = "-wf" if self.wait_first else ""
         cmb = "-cmb" if self.combine else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}{cmb}"
+        g = "-g" if self.guess else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}{cmb}{g}"
 
     @property
     def threads(self) -> int:
@@ -297,6 +303,9 @@ class MmvqSpec(KernelSpec):
             raise ValueError(f"{self.name}: wait_first belongs to the prequant form launched with pdl")
         if self.combine and not (self.per_pair and self.ids and self.act is None):
             raise ValueError(f"{self.name}: combine belongs to the per-pair expert product without activation")
+        if self.guess and not (self.prequant and self.pdl and self.ids and not self.wait_first and not self.combine):
+            raise ValueError(f"{self.name}: guess belongs to the prequant expert form launched with pdl that does "
+                             f"not wait first (nor combine)")
 
 
 @dataclass(frozen=True)

@@ -215,15 +215,17 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
 def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
           up: QuantTensor | None = None, up_off: int = 0, rows_e: int | None = None,
           bias_g=None, bias_u=None, bias_e: int = 0, entry_scale=None, x_q8=None,
-          ids_settled: bool = False, combine=None):
+          ids_settled: bool = False, combine=None, ids_guess=None):
     """Mat-vec launch after one preparing launch: with ids, routing into tiles of at most
     spec.tokens tokens plus q8_1 quantization of x (prepare_moe); dense, quantization only.
     x_q8 (xq, xds, nbp): x already quantized by an earlier kernel; only a prequant spec
     reads it (the others quantize x themselves). ids_settled: the kernel launched last
     waited for the writer of ids to end before it released its dependents (the model's
-    expert gate/up after the router), so a prequant product may launch with its quantizer.
+    expert gate/up after the router), so a prequant product may launch with its quantizer
+    (as a guessing one always does: it checks its ids after its wait).
     combine (wts, xres), for a combine spec: xres[t] += sum_j wts[t, j] * out[t, j] instead
-    of writing out."""
+    of writing out. ids_guess (tests): what a guessing spec reads before its wait in place
+    of the ids (a wrong guess must give the bits of a right one)."""
     if spec.combine != (combine is not None):
         raise ValueError(f"{spec.name}: a combine spec takes (wts, xres), and only it does")
     kern = load(spec)
@@ -231,7 +233,9 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
         # the kernel quantizes its x row itself, or reads the rows quantized before
         # (prequant); the "rows" argument carries the ids
         if spec.prequant:
-            early = spec.pdl and (ids is None or ids_settled)
+            # released at once where the product reads nothing before its wait that a
+            # kernel in flight may write, but weights and guessed ids (MmvqSpec.guess)
+            early = spec.pdl and (ids is None or ids_settled or spec.guess)
             xq, xds, nbp = x_q8 if x_q8 is not None else quantize_activations(x2d, spec.pdl, early)
         else:
             xq, xds, nbp = _aligned(x2d), None, 0
@@ -258,6 +262,8 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
             ptr(bias_g), ptr(bias_u), _i32(bias_e), ptr(xq), ptr(xds),
             _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
             ptr(rows), ptr(tiles), ptr(ntt), _i32(n_dense), ptr(entry_scale), out, _i32(m))
+    if spec.guess:
+        args += (_i32(w.n_experts), ptr(ids_guess if ids_guess is not None else ids))
     if spec.combine:
         args += (_i32(top_k), ptr(combine[0]), ptr(combine[1]))
     kern(grid, args, smem=spec.smem_bytes(w.k))
@@ -305,7 +311,7 @@ def run_mul_mat_id_combine(w: QuantTensor, x, ids, wts, xres, ids_settled: bool 
     E, m, k = w.shape
     n, top_k = ids.shape
     warps = next(wp for wp in (1, 2, 4, 8) if wp >= top_k)
-    spec = dataclasses.replace(dispatch.default_mmvq(w.qtype, n, True), warps=warps, combine=True)
+    spec = dataclasses.replace(dispatch.default_mmvq(w.qtype, n, True), warps=warps, combine=True, guess=False)
     _mmvq(spec, w, x.reshape(-1, k), ids, 1, xres, m, ids_settled=ids_settled, combine=(wts, xres))
 
 

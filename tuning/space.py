@@ -110,9 +110,10 @@ def path_allows(op: str, path: str, spec: KernelSpec, shape, n: int) -> str | No
 def knobs(choice: Choice) -> dict:
     s = choice.spec
     if isinstance(s, MmvqSpec):
-        # prequant instances are generated only with streaming loads and PDL: one knob
+        # prequant instances are generated only with streaming loads and PDL: one knob;
+        # guess (their one-token default) is another, so that the tuner measures both forms
         return {"tokens": s.tokens, "warps": s.warps, "rows": s.rows, "per_pair": s.per_pair,
-                "prequant": s.prequant}
+                "prequant": s.prequant, "guess": s.guess}
     if isinstance(s, MmfSpec):
         return {"x": s.x, "yw": f"y{s.y}w{s.warps}n{s.wn}", "kblocks": s.kblocks, "stages": s.stages}
     return {"x": s.x, "yw": f"y{s.y}w{s.warps}", "kblocks": s.kblocks, "stages": s.stages,

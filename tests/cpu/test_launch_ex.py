@@ -118,12 +118,30 @@ def test_quantizer_waits_for_x_before_it_releases_the_product():
     assert helper.index("griddepcontrol.wait") < helper.index("griddepcontrol.launch_dependents")
 
 
-def test_expert_ids_read_before_the_wait_come_from_l2():
-    pre = render(MmvqSpec.decode("q4_0", act="silu"))
-    body = pre[pre.index(MmvqSpec.decode("q4_0", act="silu").symbol + "("):]
-    assert body.index("__ldcg(rows + tt)") < body.index("griddepcontrol.wait")
+def test_guessed_expert_ids_are_read_from_l2_and_checked_after_the_wait():
+    """The one-token expert form requests weights for the ids it reads before its wait (the
+    kernel writing them may be in flight): through L2, clamped, and read again after the
+    wait, where a different value sends the pair to settle_pair before anything is written."""
+    import dataclasses
+    spec = MmvqSpec.decode("q4_0", act="silu", rows=2, guess=True)
+    assert spec.name.endswith("-g")
+    src = render(spec)
+    body = src[src.index(spec.symbol + "("):]
+    wait = body.index("griddepcontrol.wait")
+    assert body.index("__ldcg(guess + tt)") < body.index("load_w(A") < wait < body.index("__ldcg(rows + tt)")
+    assert "n_exp - 1" in body[:wait]
+    assert wait < body.index("if (settled != ti.expert)") < body.index("settle_pair(") < body.index("flush_rows(")
+    # the forms that do not guess render as the shipped profiles timed them
+    for other in (MmvqSpec.decode("q4_0", act="silu", rows=2), MmvqSpec.decode("q4_0", ids=False),
+                  dataclasses.replace(MmvqSpec.decode("q4_0"), warps=8, combine=True)):
+        assert "settle_pair" not in render(other) and "guess" not in render(other), other.name
+    for bad in (dict(wait_first=True), dict(ids=False)):
+        with pytest.raises(ValueError, match="guess"):
+            dataclasses.replace(spec, **bad).check()
+    with pytest.raises(ValueError, match="guess"):
+        dataclasses.replace(MmvqSpec.decode("q4_0"), combine=True, guess=True).check()
     plain = render(MmvqSpec("q4_0", tokens=1, warps=4, rows=4, per_pair=True))
-    assert "__ldcg" not in plain       # the source shipped profiles timed stays as it was
+    assert "__ldcg" not in plain
 
 
 def test_wait_first_waits_before_the_expert_ids():

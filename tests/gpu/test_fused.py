@@ -175,6 +175,87 @@ def test_pdl_chain_in_a_graph_reads_what_the_previous_call_wrote(rng):
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("form", ["fused", "fused_bias", "plain"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_a_wrong_guess_of_the_ids_changes_no_bit(rng, qtype, form, n):
+    """The one-token expert form requests weights for the ids it reads before its wait (the
+    kernel writing them may be in flight) and checks them after: guesses all wrong, partly
+    wrong or outside [0, E) (stale memory) must give the bits of a right guess."""
+    import dataclasses
+
+    import cupy as cp
+    from moeforge.runtime import dispatch, ops
+    E, top_k, n_ff = 32, 8, 72
+    k = 2048 if qtype == "q4_0" else 1024
+    _, _, w = _weights(rng, qtype, E, n_ff, k, True)
+    gu = w["gate_up"]
+    x = cp.asarray(rng.standard_normal((n, k)).astype(np.float32))
+    idsh = np.stack([rng.choice(E, top_k, replace=False) for _ in range(n)]).astype(np.int32)
+    ids = cp.asarray(idsh)
+    half = idsh.copy()
+    half[:, ::2] = (half[:, ::2] + 1) % E
+    guesses = [None, (idsh + 1) % E, half, np.where(idsh % 2, -7, 10 ** 6).astype(np.int32)]
+    act, bias = ("swiglu_oai", True) if form == "fused_bias" else ("silu", False)
+    bg = cp.asarray(rng.standard_normal((E, n_ff)).astype(np.float32)) if bias else None
+    bu = cp.asarray(rng.standard_normal((E, n_ff)).astype(np.float32)) if bias else None
+    wts = cp.asarray(rng.random((n, top_k)).astype(np.float32))
+    got = []
+    for guess in guesses:
+        g = None if guess is None else cp.asarray(guess)
+        # the default guesses for one token; past it the same kernel must be right as well
+        if form.startswith("fused"):
+            spec = dataclasses.replace(dispatch.default_fused(qtype, n, act, bias, ids=True, k=k), guess=True)
+            out = cp.full((n, top_k, n_ff), cp.nan, dtype=cp.float32)
+            ops._mmvq(spec, gu, x, ids, top_k, out, n_ff, up=gu, up_off=n_ff, rows_e=2 * n_ff, bias_g=bg,
+                      bias_u=bu, bias_e=n_ff, ids_guess=g)
+        else:
+            spec = dataclasses.replace(dispatch.default_mmvq(qtype, n, True), guess=True)
+            out = cp.full((n, top_k, 2 * n_ff), cp.nan, dtype=cp.float32)
+            ops._mmvq(spec, gu, x, ids, top_k, out, 2 * n_ff, entry_scale=wts, ids_guess=g)
+        assert spec.guess
+        got.append(out.get())
+    assert np.isfinite(got[0]).all()
+    for g in got[1:]:
+        np.testing.assert_array_equal(g, got[0])
+
+
+def test_ids_written_just_before_each_call_in_a_graph(rng):
+    """In a captured chain where a kernel rewrites the one ids buffer right before each
+    call, a call may guess the ids of the call before: it must compute with its own."""
+    import cupy as cp
+    from moeforge.runtime import dispatch
+    from moeforge.runtime.fused import Operands, run_moe_gate_up
+    E, top_k, n_ff, k = 64, 8, 256, 2048
+    _, _, w = _weights(rng, "q4_0", E, n_ff, k, True)
+    xs = [cp.asarray(rng.standard_normal((1, k)).astype(np.float32)) for _ in range(6)]
+    srcs = [cp.asarray(rng.choice(E, top_k, replace=False).reshape(1, top_k).astype(np.int32)) for _ in xs]
+    spec = dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=k)
+    assert spec.guess
+    opss = [Operands(x, w["gate_up"], None, None, None, None, experts=True) for x in xs]
+    want = []
+    for o, src in zip(opss, srcs):
+        out = cp.full((1, top_k, n_ff), cp.nan, dtype=cp.float32)
+        run_moe_gate_up(o, src, out, "silu", spec)
+        want.append(out.get())
+    ids = cp.zeros((1, top_k), dtype=cp.int32)
+    outs = [cp.empty((1, top_k, n_ff), dtype=cp.float32) for _ in xs]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for o, src, out in zip(opss, srcs, outs):
+            cp.copyto(ids, src)       # an elementwise kernel: the ids' writer, just before
+            run_moe_gate_up(o, ids, out, "silu", spec)
+        graph = stream.end_capture()
+        for _ in range(5):
+            for o in outs:
+                o.fill(cp.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            for got, exp in zip(outs, want):
+                np.testing.assert_array_equal(got.get(), exp)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("k", [2048, 2880])
 def test_one_token_default_on_long_rows(rng, qtype, k):
     """The one-token default changes its rows per warp with the block size and k (two or
