@@ -38,19 +38,17 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
         out += [MmvqSpec(q.name, tokens=t, warps=w, rows=r, ids=ids, act=act, bias=bias, per_pair=pp)
                 for act, bias, w, r in product(MmvqSpec.ACTS, (False, True), FUSED_WARPS, FUSED_ROWS)]
     # one token: x quantized once just before, weights streamed, PDL launch (the defaults
-    # of dispatch.default_mmvq and default_fused)
+    # of dispatch.default_mmvq and default_fused); with experts also the guessing form, the
+    # one-token default, and the wait-first one, the model's expert gate/up after the router
+    # (x quantized by the norm before it)
+    expert_forms = (dict(), dict(guess=True), dict(wait_first=True))
     out += [MmvqSpec.decode(q.name, ids=ids) for ids in (True, False)]
-    for rows in (2, 1) if q.qs_bytes == 16 else (1,):
-        out += [MmvqSpec.decode(q.name, ids=ids, rows=rows, act=act, bias=bias)
-                for ids, act, bias in product((True, False), MmvqSpec.ACTS, (False, True))]
-        # the model's expert gate/up after the router, x quantized by the norm before it
-        out += [MmvqSpec.decode(q.name, rows=rows, act=act, bias=bias, wait_first=True)
-                for act, bias in product(MmvqSpec.ACTS, (False, True))]
-    # one token with experts: the guessing forms the defaults run there
     out += [MmvqSpec.decode(q.name, guess=True)]
     for rows in (2, 1) if q.qs_bytes == 16 else (1,):
-        out += [MmvqSpec.decode(q.name, rows=rows, act=act, bias=bias, guess=True)
+        out += [MmvqSpec.decode(q.name, ids=False, rows=rows, act=act, bias=bias)
                 for act, bias in product(MmvqSpec.ACTS, (False, True))]
+        out += [MmvqSpec.decode(q.name, rows=rows, act=act, bias=bias, **form)
+                for form, act, bias in product(expert_forms, MmvqSpec.ACTS, (False, True))]
     # the model's down product adding its experts' weighted sum to the residual (top_k <= warps)
     out += [dataclasses.replace(MmvqSpec.decode(q.name), warps=w, combine=True) for w in (1, 2, 4, 8)]
     return out

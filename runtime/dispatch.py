@@ -39,12 +39,14 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
     return p
 
 
-# GUESS_ONE_TOKEN: with one token the expert product guesses its ids and its quantizer
-# releases it at once (MmvqSpec.guess). H100, one call, cold, against the form before
-# (BENCHMARKS.md): Qwen3 q4_0 fused gate+up 8.09 -> 7.20 us, its two separate calls 10.8 ->
-# 9.6; q8_0 12.76 -> 12.16. Not past one token: there the same launches took 39.2 -> 40.1 us
-# at n=8 (the early blocks hold the SMs for several waves), and the guessing kernel with
-# its quantizer waiting first 2.5-5% more than the plain one at n = 2..8 (q4_0).
+def guesses_ids(n: int, ids: bool) -> bool:
+    """Whether the decode form guesses its expert ids (MmvqSpec.guess; its quantizer then
+    releases it at once): for one token with experts. H100, one call, cold, against the form
+    before (BENCHMARKS.md): Qwen3 q4_0 fused gate+up 8.09 -> 7.20 us, its two separate calls
+    10.8 -> 9.6; q8_0 12.76 -> 12.16. Not past one token: there the same launches took 39.2
+    -> 40.1 us at n=8 (the early blocks hold the SMs for several waves), and the guessing
+    kernel with its quantizer waiting first 2.5-5% more than the plain one at n = 2..8."""
+    return ids and n == 1
 
 
 def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
@@ -55,8 +57,8 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
     while x is being quantized. H100, one call, hot (BENCHMARKS.md), against what the shipped
     profile had chosen before the form existed: Qwen3 q4_0 gate n=4 12.2 -> 9.6 us, n=8 23.1
     -> 19.4; its down product n=8 42.5 -> 21.3; q8_0 n=8 37.6 -> 33.8. One token with
-    experts: the guessing form (GUESS_ONE_TOKEN)."""
-    return MmvqSpec.decode(qtype, ids=ids, guess=ids and n == 1)
+    experts: the guessing form (guesses_ids)."""
+    return MmvqSpec.decode(qtype, ids=ids, guess=guesses_ids(n, ids))
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
@@ -72,7 +74,7 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     at n >= 2 the other row counts were within 5%."""
     if n <= MMVQ_MAX_TOKENS:
         rows = 2 if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048 else 1
-        return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=ids and n == 1)
+        return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guesses_ids(n, ids))
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 

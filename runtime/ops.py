@@ -311,7 +311,7 @@ def run_mul_mat_id_combine(w: QuantTensor, x, ids, wts, xres, ids_settled: bool 
     E, m, k = w.shape
     n, top_k = ids.shape
     warps = next(wp for wp in (1, 2, 4, 8) if wp >= top_k)
-    spec = dataclasses.replace(dispatch.default_mmvq(w.qtype, n, True), warps=warps, combine=True, guess=False)
+    spec = dataclasses.replace(MmvqSpec.decode(w.qtype), warps=warps, combine=True)
     _mmvq(spec, w, x.reshape(-1, k), ids, 1, xres, m, ids_settled=ids_settled, combine=(wts, xres))
 
 

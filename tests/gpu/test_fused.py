@@ -49,6 +49,24 @@ def _expected(qtype, E, n_ff, k, rg, ru, x, ids, act, bg, bu, emulated):
     return ref.activate(g, u, act)
 
 
+def _replay_matches(capture, outs, want):
+    """Capture `capture()` in a graph and replay it five times on poisoned outputs: every
+    replay must write exactly `want`."""
+    import cupy as cp
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        capture()
+        graph = stream.end_capture()
+        for _ in range(5):
+            for o in outs:
+                o.fill(cp.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            for got, exp in zip(outs, want):
+                np.testing.assert_array_equal(got.get(), exp)
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("bias", [False, True])
@@ -159,19 +177,7 @@ def test_pdl_chain_in_a_graph_reads_what_the_previous_call_wrote(rng):
     want = [o.get() for o in want]
     assert all(np.isfinite(o).all() for o in want)
     outs = [cp.empty((1, top_k, n_ff), dtype=cp.float32) for _ in idss]
-    run = chain(pdl, outs)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        run()
-        graph = stream.end_capture()
-        for _ in range(5):
-            for o in outs:
-                o.fill(cp.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            for got, exp in zip(outs, want):
-                assert np.array_equal(got.get(), exp)
+    _replay_matches(chain(pdl, outs), outs, want)
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
@@ -239,20 +245,12 @@ def test_ids_written_just_before_each_call_in_a_graph(rng):
         want.append(out.get())
     ids = cp.zeros((1, top_k), dtype=cp.int32)
     outs = [cp.empty((1, top_k, n_ff), dtype=cp.float32) for _ in xs]
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
+
+    def capture():
         for o, src, out in zip(opss, srcs, outs):
             cp.copyto(ids, src)       # an elementwise kernel: the ids' writer, just before
             run_moe_gate_up(o, ids, out, "silu", spec)
-        graph = stream.end_capture()
-        for _ in range(5):
-            for o in outs:
-                o.fill(cp.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            for got, exp in zip(outs, want):
-                np.testing.assert_array_equal(got.get(), exp)
+    _replay_matches(capture, outs, want)
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
