@@ -7,7 +7,7 @@ import numpy as np
 
 from ..codegen.spec import MmfSpec
 from .kernels import grid_1d, load
-from .ops import _NULL, WORKSPACE, _act_width, _aligned, _i32, _round_up, _util
+from .ops import _NULL, WORKSPACE, _act_width, _aligned, _i32, _prepare, _round_up
 from .tensor import QuantTensor
 
 
@@ -22,20 +22,6 @@ def x_to_f16(spec: MmfSpec, x2d, glu: bool = False):
     return xh, kp
 
 
-def route(ids, E: int, tile_x: int):
-    """The routing half of prepare_moe alone: (rows, tiles, ntt, max_tiles)."""
-    N = ids.size
-    max_tiles = N // tile_x + min(E, N)
-    rows = WORKSPACE.get("rows", N * 4, np.int32)
-    tiles = WORKSPACE.get("tiles", max_tiles * 16, np.int32)
-    ntt = WORKSPACE.get("ntt", 4, np.int32)
-    eoff = WORKSPACE.get("eoff", (E + 1) * 4, np.int32)
-    _util("prepare_moe")((E,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff,
-                                _NULL, _NULL, _NULL, _i32(0), _i32(0), _i32(0), _i32(0)),
-                         block=512, smem=(3 * E + 32) * 4)
-    return rows, tiles, ntt, max_tiles
-
-
 def run_mmf(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, out, glu: bool = False) -> None:
     """out[entry] = W[expert] @ x[entry / x_div] for every (token, slot) entry of ids, or
     with ids None the dense out = x @ W^T (w 2-D). Validated operands only."""
@@ -44,7 +30,7 @@ def run_mmf(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, out, glu: bool 
     m = w.shape[-2]
     xh, kp = x_to_f16(spec, x2d, glu)
     if ids is not None:
-        rows, tiles, ntt, max_tiles = route(ids, w.n_experts, spec.x)
+        (rows, tiles, ntt, _, max_tiles), _ = _prepare(ids, w.n_experts, spec.x, None)
         n_dense = 0
     else:
         rows = tiles = ntt = None

@@ -145,19 +145,23 @@ def quantize_activations(x2d, pdl: bool = False, release_first: bool = False, gl
 def _prepare(ids, E: int, tile_x: int, x2d, pdl: bool = False, glu: bool = False):
     """Routing and q8_1 quantization of x in one launch (pdl: as the product after it is;
     the kernel waits for the writer of ids and x on the device first). glu: as in
-    quantize_activations."""
+    quantize_activations. x2d None: the routing alone (the f16 tiles convert x themselves),
+    and (None, None, 0) for x."""
     N = ids.size
-    rows_x, k = x2d.shape[0], _act_width(x2d, glu)
-    xq, xds, nbp = _x_buffers(rows_x, k)
     max_tiles = N // tile_x + min(E, N)
     rows = WORKSPACE.get("rows", N * 4, np.int32)
     tiles = WORKSPACE.get("tiles", max_tiles * 16, np.int32)
     ntt = WORKSPACE.get("ntt", 4, np.int32)
     eoff = WORKSPACE.get("eoff", (E + 1) * 4, np.int32)
-    qblocks = -(-rows_x * nbp // 64)
-    _util("prepare_moe")((E + qblocks,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff,
-                                          _aligned(x2d), xq, xds, _i32(rows_x), _i32(k), _i32(nbp),
-                                          _i32(int(glu))),
+    if x2d is None:
+        xq, xds, nbp, qblocks = None, None, 0, 0
+        x_args = (_NULL, _NULL, _NULL, _i32(0), _i32(0), _i32(0), _i32(0))
+    else:
+        rows_x, k = x2d.shape[0], _act_width(x2d, glu)
+        xq, xds, nbp = _x_buffers(rows_x, k)
+        qblocks = -(-rows_x * nbp // 64)
+        x_args = (_aligned(x2d), xq, xds, _i32(rows_x), _i32(k), _i32(nbp), _i32(int(glu)))
+    _util("prepare_moe")((E + qblocks,), (ids, _i32(N), _i32(E), _i32(tile_x), rows, tiles, ntt, eoff, *x_args),
                          block=512, smem=(3 * E + 32) * 4, pdl=pdl)
     return (rows, tiles, ntt, eoff, max_tiles), (xq, xds, nbp)
 
