@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 
+from .bench import COLD_CALLS, COLD_SETS
+
 # (name, E, top_k, n_ff, k, act, bias)
 FUSED_SHAPES = (("qwen3-30b-a3b", 128, 8, 768, 2048, "silu", False),
                 ("gpt-oss-20b", 32, 4, 2880, 2880, "swiglu_oai", True))
@@ -64,9 +66,9 @@ def run(qtypes, reps: int, info: dict, bw_gbs: float, rows: list, rng, sweep: bo
             bu = cp.asarray(rng.standard_normal((E, n_ff)).astype(np.float32)) if bias else None
             row_bytes = (k // 32) * (18 if qtype == "q4_0" else 34)
             for n in FUSED_N:
-                xs = [cp.asarray(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(4)]
+                xs = [cp.asarray(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(COLD_SETS)]
                 idss = [cp.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :top_k].astype(np.int32))
-                        for _ in range(4)]
+                        for _ in range(COLD_SETS)]
                 touched = len(np.unique(idss[0].get()))
                 gbytes = touched * 2 * n_ff * row_bytes
                 out = cp.empty((n, top_k, n_ff), dtype=cp.float32)
@@ -75,23 +77,23 @@ def run(qtypes, reps: int, info: dict, bw_gbs: float, rows: list, rng, sweep: bo
                 sep = dispatch.Choice("mmvq", dispatch.default_mmvq(qtype, n, ids=True))
 
                 def fused(i, ws, spec=None):
-                    run_moe_gate_up(opsets[i % ws][i % 4], idss[i % 4], out, act, spec)
+                    run_moe_gate_up(opsets[i % ws][i % COLD_SETS], idss[i % COLD_SETS], out, act, spec)
 
                 def separate(i, ws):
                     _, g, u = wsets[i % ws]
-                    run_mul_mat_id(g, xs[i % 4], idss[i % 4], out, sep)
-                    run_mul_mat_id(u, xs[i % 4], idss[i % 4], out2, sep)
+                    run_mul_mat_id(g, xs[i % COLD_SETS], idss[i % COLD_SETS], out, sep)
+                    run_mul_mat_id(u, xs[i % COLD_SETS], idss[i % COLD_SETS], out2, sep)
 
                 res = {}
-                nc = max(4, copies)
+                nc = max(COLD_SETS, copies)
                 for label, fn in (("separate", separate),):
                     hot = time_calls(lambda i: fn(0, 1), 1, reps=reps)
-                    cold = time_calls(lambda i: fn(i, copies), nc, calls=nc, reps=reps)
+                    cold = time_calls(lambda i: fn(i, copies), nc, calls=max(nc, COLD_CALLS), reps=reps)
                     res[label] = (hot.median_us, cold.median_us)
                 best = None
                 for spec in _fused_specs(qtype, n, act, bias, sweep, k):
                     hot = time_calls(lambda i: fused(0, 1, spec), 1, reps=reps)
-                    cold = time_calls(lambda i: fused(i, copies, spec), nc, calls=nc, reps=reps)
+                    cold = time_calls(lambda i: fused(i, copies, spec), nc, calls=max(nc, COLD_CALLS), reps=reps)
                     print(f"    fused {spec.name}: {hot.median_us:.2f} / {cold.median_us:.2f} us", file=sys.stderr)
                     if best is None or cold.median_us < best[1]:
                         best = (hot.median_us, cold.median_us, spec.name)

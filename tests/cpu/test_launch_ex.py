@@ -118,6 +118,20 @@ def test_quantizer_waits_for_x_before_it_releases_the_product():
     assert helper.index("griddepcontrol.wait") < helper.index("griddepcontrol.launch_dependents")
 
 
+def test_quantizer_only_prefetches_x_into_l2_before_its_wait():
+    """x may still be being written when the quantizer starts: before its wait it may ask L2
+    for x (L2 sees every write), never load it into registers or L1."""
+    from moeforge.codegen.spec import UtilSpec
+    src = render(UtilSpec())
+    body = _kernels(src)["quantize_q8_1"]
+    assert 0 < body.index("prefetch_act4(") < body.index("pdl_wait_then_release();")
+    helper = src[src.index("void prefetch_act4("):]
+    helper = helper[:helper.index("\n}\n")]
+    assert helper.count("prefetch.global.L2") == 2
+    for load in ("*(const", "__ldg", "__ldcg", "ld.global", "[col]", "[0]"):
+        assert load not in helper, load
+
+
 def test_guessed_expert_ids_are_read_from_l2_and_checked_after_the_wait():
     """The one-token expert form requests weights for the ids it reads before its wait (the
     kernel writing them may be in flight): through L2, clamped, and read again after the
