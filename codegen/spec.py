@@ -229,6 +229,8 @@ class MmvqSpec(KernelSpec):
     of the expert ids read before the wait, which a kernel in flight may still be writing,
     and check them after it (a stale guess is computed again), so the quantizer before may
     release the product at once (the one-token default).
+    units (guess): k-units of 32 blocks a lane has in flight, 2 (the next one requested
+    while the current one is computed) or 1 (half the registers: wider rows in one wave).
     All off by default, which renders the source the shipped profiles were tuned with.
     """
     family: ClassVar[str] = "mmvq"
@@ -247,15 +249,16 @@ class MmvqSpec(KernelSpec):
     wait_first: bool = False
     combine: bool = False
     guess: bool = False
+    units: int = 2
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
     @classmethod
     def decode(cls, qtype: str, *, ids: bool = True, rows: int = 4, act: str | None = None,
-               bias: bool = False, wait_first: bool = False, guess: bool = False) -> "MmvqSpec":
+               bias: bool = False, wait_first: bool = False, guess: bool = False, units: int = 2) -> "MmvqSpec":
         """The one-token form: per pair, x quantized just before, streaming weights, PDL."""
         return cls(qtype, tokens=1, warps=4, rows=rows, ids=ids, act=act, bias=bias, per_pair=True,
-                   prequant=True, evict_first=True, pdl=True, wait_first=wait_first, guess=guess)
+                   prequant=True, evict_first=True, pdl=True, wait_first=wait_first, guess=guess, units=units)
 
     @property
     def quant(self) -> QuantType:
@@ -273,7 +276,8 @@ class MmvqSpec(KernelSpec):
         wf = "-wf" if self.wait_first else ""
         cmb = "-cmb" if self.combine else ""
         g = "-g" if self.guess else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}{cmb}{g}"
+        u = f"-u{self.units}" if self.units != 2 else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}{cmb}{g}{u}"
 
     @property
     def threads(self) -> int:
@@ -306,6 +310,10 @@ class MmvqSpec(KernelSpec):
         if self.guess and not (self.prequant and self.pdl and self.ids and not self.wait_first and not self.combine):
             raise ValueError(f"{self.name}: guess belongs to the prequant expert form launched with pdl that does "
                              f"not wait first (nor combine)")
+        if self.units not in (1, 2):
+            raise ValueError(f"{self.name}: units must be 1 or 2")
+        if self.units == 1 and not self.guess:
+            raise ValueError(f"{self.name}: one unit in flight belongs to the guessing form")
 
 
 @dataclass(frozen=True)

@@ -71,10 +71,20 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     -> 71.9. With 128 experts (or 32 and top-4) a few tokens rarely share an expert, so
     grouping them saves little and costs a routing launch; the one loss seen: q8_0 gpt-oss
     at n=8, 182.8 against 169.7 us with tiles of 8. The row rule is the one-token sweep's;
-    at n >= 2 the other row counts were within 5%."""
+    at n >= 2 the other row counts were within 5%. One token with experts (the guessing
+    form), where two rows of two k-units in flight do not fit one wave: two rows with one
+    k-unit in flight (MmvqSpec.units). The q8_0 row of one had run two waves (1536 blocks,
+    6 an SM); H100, cold, two rounds: q8_0 Qwen3 11.20-11.43 -> 9.93-10.01 us (two separate
+    calls 10.17-10.28), q8_0 gpt-oss 25.54-25.56 -> 25.16-25.17, q4_0 gpt-oss 16.38-16.44 ->
+    16.22-16.31."""
     if n <= MMVQ_MAX_TOKENS:
-        rows = 2 if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048 else 1
-        return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guesses_ids(n, ids))
+        guess = guesses_ids(n, ids)
+        rows, units = 1, 2
+        if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048:
+            rows = 2
+        elif guess:
+            rows, units = 2, 1
+        return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 
