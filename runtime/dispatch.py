@@ -61,7 +61,8 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
     return MmvqSpec.decode(qtype, ids=ids, guess=guesses_ids(n, ids))
 
 
-def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0) -> MmvqSpec:
+def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0,
+                  wait_first: bool = False) -> MmvqSpec:
     """Up to 8 tokens: the decode form (MmvqSpec.decode), a block per (token, slot) pair
     streaming gate and up rows, x quantized once before. Two rows of each per warp for 4-bit
     blocks and rows of at most two k-units (k <= 2048: 80 registers, one wave at n=1); one
@@ -76,15 +77,18 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     k-unit in flight (MmvqSpec.units). The q8_0 row of one had run two waves (1536 blocks,
     6 an SM); H100, cold, two rounds: q8_0 Qwen3 11.20-11.43 -> 9.93-10.01 us (two separate
     calls 10.17-10.28), q8_0 gpt-oss 25.54-25.56 -> 25.16-25.17, q4_0 gpt-oss 16.38-16.44 ->
-    16.22-16.31."""
+    16.22-16.31. wait_first: x was quantized by an earlier kernel and the kernel just before
+    wrote the ids (the model's expert gate/up after the router): the form that waits first,
+    which cannot guess."""
     if n <= MMVQ_MAX_TOKENS:
-        guess = guesses_ids(n, ids)
+        guess = guesses_ids(n, ids) and not wait_first
         rows, units = 1, 2
         if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048:
             rows = 2
         elif guess:
             rows, units = 2, 1
-        return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units)
+        return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units,
+                               wait_first=wait_first)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 

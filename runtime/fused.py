@@ -119,12 +119,12 @@ def run_moe_gate_up(o: "_Operands", ids, out, act: str, spec: MmvqSpec | None = 
     come from the kernel just before, so the one-token form then waits before it reads them."""
     n, top_k = ids.shape
     if n <= dispatch.MMVQ_MAX_TOKENS:
-        spec = spec or dispatch.default_fused(o.gate.qtype, n, act, o.bias_g is not None, ids=True, k=o.gate.k)
-        if x_q8 is not None and spec.prequant and spec.pdl:
-            # the router wrote the ids just before: wait first, with the rows of the form
-            # that does not guess (one unit in flight belongs to the guessing one)
-            spec = dataclasses.replace(spec, wait_first=True, guess=False, units=2,
-                                       rows=spec.rows if spec.units == 2 else 1)
+        # with x_q8 the router wrote the ids just before: the form that waits first
+        if spec is None:
+            spec = dispatch.default_fused(o.gate.qtype, n, act, o.bias_g is not None, ids=True, k=o.gate.k,
+                                          wait_first=x_q8 is not None)
+        elif x_q8 is not None and spec.prequant and spec.pdl:
+            spec = dataclasses.replace(spec, wait_first=True, guess=False, units=2)
         _mmvq(spec, o.gate, o.x, ids, top_k, out, o.n_ff, up=o.up, up_off=o.up_off,
               rows_e=o.rows_e, bias_g=o.bias_g, bias_u=o.bias_u, bias_e=o.n_ff, x_q8=x_q8)
         return

@@ -124,6 +124,9 @@ def test_every_default_decode_spec_is_generated():
                     for bias in (False, True):
                         for k in (256, 2048, 2880):
                             assert dispatch.default_fused(qtype, n, act, bias, ids, k) in generated
+                            if ids:   # the model's expert gate/up after the router
+                                assert dispatch.default_fused(qtype, n, act, bias, ids, k, wait_first=True) \
+                                    in generated
 
 
 def test_fused_sweep_holds_the_default_and_each_decode_form_once():
