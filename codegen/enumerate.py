@@ -50,8 +50,8 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
         out += [MmvqSpec.decode(q.name, rows=rows, act=act, bias=bias, **form)
                 for form, act, bias in product(expert_forms, MmvqSpec.ACTS, (False, True))]
     # one token, where two rows of two k-units do not fit one wave: one unit in flight
-    out += [MmvqSpec.decode(q.name, rows=2, act=act, bias=bias, guess=True, units=1)
-            for act, bias in product(MmvqSpec.ACTS, (False, True))]
+    out += [MmvqSpec.decode(q.name, rows=2, act=act, bias=bias, units=1, **form)
+            for form, act, bias in product(expert_forms[1:], MmvqSpec.ACTS, (False, True))]
     # the model's down product adding its experts' weighted sum to the residual (top_k <= warps)
     out += [dataclasses.replace(MmvqSpec.decode(q.name), warps=w, combine=True) for w in (1, 2, 4, 8)]
     return out

@@ -229,8 +229,9 @@ class MmvqSpec(KernelSpec):
     of the expert ids read before the wait, which a kernel in flight may still be writing,
     and check them after it (a stale guess is computed again), so the quantizer before may
     release the product at once (the one-token default).
-    units (guess): k-units of 32 blocks a lane has in flight, 2 (the next one requested
-    while the current one is computed) or 1 (half the registers: wider rows in one wave).
+    units (guess or wait_first): k-units of 32 blocks a lane has in flight, 2 (the next one
+    requested while the current one is computed) or 1 (half the registers: wider rows in
+    one wave).
     All off by default, which renders the source the shipped profiles were tuned with.
     """
     family: ClassVar[str] = "mmvq"
@@ -312,8 +313,9 @@ class MmvqSpec(KernelSpec):
                              f"not wait first (nor combine)")
         if self.units not in (1, 2):
             raise ValueError(f"{self.name}: units must be 1 or 2")
-        if self.units == 1 and not self.guess:
-            raise ValueError(f"{self.name}: one unit in flight belongs to the guessing form")
+        if self.units == 1 and not (self.guess or self.wait_first):
+            raise ValueError(f"{self.name}: one unit in flight belongs to the one-token expert forms (guess, "
+                             f"wait_first)")
 
 
 @dataclass(frozen=True)

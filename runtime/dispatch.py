@@ -79,13 +79,13 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     calls 10.17-10.28), q8_0 gpt-oss 25.54-25.56 -> 25.16-25.17, q4_0 gpt-oss 16.38-16.44 ->
     16.22-16.31. wait_first: x was quantized by an earlier kernel and the kernel just before
     wrote the ids (the model's expert gate/up after the router): the form that waits first,
-    which cannot guess."""
+    which cannot guess, with the same rows and units."""
     if n <= MMVQ_MAX_TOKENS:
         guess = guesses_ids(n, ids) and not wait_first
         rows, units = 1, 2
         if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048:
             rows = 2
-        elif guess:
+        elif ids and n == 1:     # the guessing form, or the wait-first one
             rows, units = 2, 1
         return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units,
                                wait_first=wait_first)

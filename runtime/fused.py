@@ -124,7 +124,7 @@ def run_moe_gate_up(o: "_Operands", ids, out, act: str, spec: MmvqSpec | None = 
             spec = dispatch.default_fused(o.gate.qtype, n, act, o.bias_g is not None, ids=True, k=o.gate.k,
                                           wait_first=x_q8 is not None)
         elif x_q8 is not None and spec.prequant and spec.pdl:
-            spec = dataclasses.replace(spec, wait_first=True, guess=False, units=2)
+            spec = dataclasses.replace(spec, wait_first=True, guess=False)
         _mmvq(spec, o.gate, o.x, ids, top_k, out, o.n_ff, up=o.up, up_off=o.up_off,
               rows_e=o.rows_e, bias_g=o.bias_g, bias_u=o.bias_u, bias_e=o.n_ff, x_q8=x_q8)
         return

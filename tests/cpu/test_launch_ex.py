@@ -158,23 +158,30 @@ def test_guessed_expert_ids_are_read_from_l2_and_checked_after_the_wait():
     assert "__ldcg" not in plain
 
 
-def test_one_unit_in_flight_only_for_the_guessing_form():
+def test_one_unit_in_flight_only_for_the_one_token_expert_forms():
     """units=1: each lane requests one k-unit at a time (one buffer, the next unit after
-    the current one is computed), so that two rows of 32-byte blocks fit one wave."""
+    the current one is computed), so that two rows of 32-byte blocks fit one wave. The
+    guessing form requests its first unit before the wait; the model's wait-first form
+    after it."""
     import dataclasses
     from moeforge.runtime import dispatch
-    spec = dispatch.default_fused("q8_0", 1, "silu", False, ids=True, k=2048)
-    assert (spec.rows, spec.units, spec.guess) == (2, 1, True) and spec.name.endswith("-g-u1")
-    body = render(spec)
-    body = body[body.index(spec.symbol + "("):]
-    assert "WBuf A;" in body and "WBuf A, B;" not in body and "load_w(B" not in body
-    assert body.index("load_w(A, P, erow, r, lane);") < body.index("griddepcontrol.wait") \
-        < body.index("if (u > 0) load_w(A, P, erow, r, lane + 32 * u);")
-    assert "__launch_bounds__(NTHREADS, 6)" in render(spec)
+    for wait_first in (False, True):
+        spec = dispatch.default_fused("q8_0", 1, "silu", False, ids=True, k=2048, wait_first=wait_first)
+        assert (spec.rows, spec.units, spec.guess, spec.wait_first) == (2, 1, not wait_first, wait_first)
+        assert spec.name.endswith("-wf-u1" if wait_first else "-g-u1")
+        body = render(spec)
+        body = body[body.index(spec.symbol + "("):]
+        assert "WBuf A;" in body and "WBuf A, B;" not in body and "load_w(B" not in body
+        first, wait = body.index("load_w(A, P, erow, r, lane);"), body.index("griddepcontrol.wait")
+        assert (wait < first) if wait_first else (first < wait)
+        assert max(first, wait) < body.index("if (u > 0) load_w(A, P, erow, r, lane + 32 * u);")
+        assert body.count("griddepcontrol.wait") == 1
+        assert "__launch_bounds__(NTHREADS, 6)" in render(spec)
     # two units in flight wherever two rows of them fit, and past one token
-    assert dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=2048).units == 2
-    assert dispatch.default_fused("q8_0", 2, "silu", False, ids=True, k=2048).units == 2
-    for bad in (dict(units=3), dict(units=1, guess=False)):
+    for wait_first in (False, True):
+        assert dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=2048, wait_first=wait_first).units == 2
+        assert dispatch.default_fused("q8_0", 2, "silu", False, ids=True, k=2048, wait_first=wait_first).units == 2
+    for bad in (dict(units=3), dict(units=1, guess=False, wait_first=False)):
         with pytest.raises(ValueError, match="unit"):
             dataclasses.replace(spec, **bad).check()
 

@@ -283,28 +283,37 @@ def test_one_token_default_on_long_rows(rng, qtype, k):
     assert ref.nmse(got, flt) <= NMSE_FLOAT
 
 
-def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng):
+@pytest.mark.parametrize("qtype,k", [("q4_0", 2048), ("q8_0", 2048), ("q4_0", 2880)])
+def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng, qtype, k):
     """The model's norms write x's q8_1 themselves (x_q8); the one-token product that reads
     it (experts: waiting first, since the router wrote the ids just before) must compute
-    exactly what it computes after its own quantizing launch."""
+    exactly what it computes after its own quantizing launch, and so must the wait-first
+    form of one row a warp and two k-units in flight, which it replaced where two rows of
+    two units do not fit (one k-unit in flight there)."""
     import cupy as cp
+    from moeforge.codegen.spec import MmvqSpec
     from moeforge.runtime import dispatch, ops
     from moeforge.runtime.fused import Operands, run_moe_gate_up
-    E, top_k, n_ff, k = 16, 4, 640, 2048
-    _, _, w = _weights(rng, "q4_0", E, n_ff, k, True)
+    E, top_k, n_ff = 16, 4, 640
+    _, _, w = _weights(rng, qtype, E, n_ff, k, True)
     x = cp.asarray(rng.standard_normal((1, k)).astype(np.float32))
     ids = cp.asarray(rng.choice(E, top_k, replace=False).reshape(1, top_k).astype(np.int32))
     xq, xds, nbp = ops.quantize_activations(x)
     x_q8 = (xq.copy(), xds.copy(), nbp)
     o = Operands(x, w["gate_up"], None, None, None, None, experts=True)
-    outs = [cp.full((1, top_k, n_ff), cp.nan, dtype=cp.float32) for _ in range(2)]
+    wait_first = dispatch.default_fused(qtype, 1, "silu", False, ids=True, k=k, wait_first=True)
+    assert wait_first.units == (2 if (qtype, k) == ("q4_0", 2048) else 1)
+    one_row = MmvqSpec.decode(qtype, rows=1, act="silu", wait_first=True)
+    outs = [cp.full((1, top_k, n_ff), cp.nan, dtype=cp.float32) for _ in range(3)]
     run_moe_gate_up(o, ids, outs[0], "silu")
     run_moe_gate_up(o, ids, outs[1], "silu", x_q8=x_q8)
+    run_moe_gate_up(o, ids, outs[2], "silu", spec=one_row, x_q8=x_q8)
     assert np.isfinite(outs[0].get()).all()
     np.testing.assert_array_equal(outs[0].get(), outs[1].get())
+    np.testing.assert_array_equal(outs[0].get(), outs[2].get())
     wd = w["gate_up"]
     dense = type(wd)(wd.buffer, wd.quant, (wd.shape[0] * wd.shape[1], k))    # every expert's rows as one matrix
-    choice = dispatch.Choice("mmvq", dispatch.default_mmvq("q4_0", 1, False))
+    choice = dispatch.Choice("mmvq", dispatch.default_mmvq(qtype, 1, False))
     outs = [cp.full((1, dense.shape[0]), cp.nan, dtype=cp.float32) for _ in range(2)]
     ops.run_mul_mat(dense, x, outs[0], choice)
     ops.run_mul_mat(dense, x, outs[1], choice, x_q8=x_q8)
