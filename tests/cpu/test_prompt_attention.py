@@ -113,3 +113,39 @@ def test_tf32_emulation_steps_and_accuracy():
             exact[t, h * hd:(h + 1) * hd] = p @ v[:pos0 + t + 1, c] / p.sum()
     nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
     assert 1e-12 < nmse < 1e-5, nmse       # tf32's rounding shows, far inside the 5e-4 bar
+
+
+def test_ldmatrix_fragments_are_the_tf32_fragments_of_the_mma():
+    """attn_prefill_tc loads q and key fragments with ldmatrix (lane l gives the address of
+    row l%8 of matrix l/8; lane t receives word t%4 of row t/4 of each matrix). With the row
+    addresses as the kernel writes them, each lane must receive the words of mma m16n8k8's
+    tf32 fragments: A (gr, tq), (gr+8, tq), (gr, tq+4), (gr+8, tq+4) of q's 16 rows; B (key
+    row of S's column gr in the order 0 4 1 5 2 6 3 7, words tq and tq+4) for 4 n8 blocks."""
+    import re
+    from moeforge.codegen.render import render
+    from moeforge.codegen.spec import ModelSpec
+    src = render(ModelSpec())
+    body = src[src.index("attn_prefill_tc("):]
+    expr = {name: re.search(rf"const unsigned\* {name} = (\w+) \+ (.+?);", body).group(2) for name in ("qa", "ka")}
+    assert "ldsm_x4(a, qa + c);" in body and "ldsm_x4(b01, ka + c);" in body and "ldsm_x4(b23, ka + 16 * lk + c);" in body
+    hd, lq, lk = 128, 132, 132
+    rng = np.random.default_rng()
+    q = rng.integers(0, 2**31, size=16 * lq)     # words: any distinct-enough pattern
+    k = rng.integers(0, 2**31, size=32 * lk)
+
+    def ldsm(words, addr_of_lane):
+        return [[words[addr_of_lane[8 * i + t // 4] + t % 4] for t in range(32)] for i in range(4)]
+
+    qa = [eval(expr["qa"], {}, dict(lane=ln, lm=ln >> 3, lr=ln & 7, lq=lq)) for ln in range(32)]   # noqa: S307
+    ka = [eval(expr["ka"], {}, dict(lane=ln, lm=ln >> 3, lr=ln & 7, lk=lk)) for ln in range(32)]   # noqa: S307
+    for c in range(0, hd, 8):
+        a = ldsm(q, [x + c for x in qa])
+        b01, b23 = ldsm(k, [x + c for x in ka]), ldsm(k, [x + 16 * lk + c for x in ka])
+        for t in range(32):
+            gr, tq = t >> 2, t & 3
+            assert [a[i][t] for i in range(4)] == [q[gr * lq + c + tq], q[(gr + 8) * lq + c + tq],
+                                                   q[gr * lq + c + tq + 4], q[(gr + 8) * lq + c + tq + 4]]
+            kperm = (gr >> 1) + 4 * (gr & 1)
+            for nb, (m0, m1) in enumerate([(b01[0], b01[1]), (b01[2], b01[3]), (b23[0], b23[1]), (b23[2], b23[3])]):
+                kr = (nb * 8 + kperm) * lk + c + tq
+                assert (m0[t], m1[t]) == (k[kr], k[kr + 4])
