@@ -94,7 +94,7 @@ class ModelSpec(KernelSpec):
         "get_rows_q4_0", "get_rows_q8_0", "rms_norm", "rope_neox", "kv_store", "attn_decode",
         "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route",
         "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
-        "moe_combine", "attn_prefill", "attn_prefill_tc",
+        "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_f16",
     )
 
 

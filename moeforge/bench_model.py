@@ -152,7 +152,8 @@ def main(args) -> int:
     n_ctx = args.ctx if args.sweep else max([*args.p, *args.n, 1]) + 1
     if args.profile:
         n_ctx = max(n_ctx, PROFILE_PAST + args.ubatch + 1)
-    model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch)
+    model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch,
+                       attn_precision=getattr(args, "attn_precision", None))
     label = "moeforge CUDA" if args.backend == "cuda" else "moeforge numpy"
     if args.profile:
         return _profile(model, args)

@@ -40,7 +40,8 @@ def _load(args):
     if args.backend == "cuda" and not has_gpu():
         raise SystemExit("moeforge: the cuda backend needs a CUDA GPU, and none was found "
                          "(--backend numpy runs small models on the CPU)")
-    return load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None))
+    return load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None),
+                      attn_precision=args.attn_precision)
 
 
 def _cmd_perplexity(args) -> int:
@@ -78,6 +79,11 @@ def _cmd_bench_model(args) -> int:
     return main(args)
 
 
+def _attn_precision_arg(parser) -> None:
+    parser.add_argument("--attn-precision", default=None, choices=("f16", "tf32", "f32"),
+                        help="prompt attention (default: f16 where the attention weights are quantized, else f32)")
+
+
 def add_commands(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic GGUF model with real shapes and random weights")
     s.add_argument("out", metavar="OUT.gguf")
@@ -101,6 +107,7 @@ def add_commands(sub) -> None:
     p.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
     p.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
+    _attn_precision_arg(p)
     p.set_defaults(func=_cmd_perplexity)
 
     r = sub.add_parser("run", help="greedy completion of a prompt")
@@ -108,6 +115,7 @@ def add_commands(sub) -> None:
     r.add_argument("-p", "--prompt", required=True)
     r.add_argument("-n", type=int, default=32, help="tokens to generate")
     r.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
+    _attn_precision_arg(r)
     r.set_defaults(func=_cmd_run)
 
     b = sub.add_parser("bench-model", help="model speed in llama-bench's table (also: moeforge bench MODEL.gguf)")
@@ -124,6 +132,7 @@ def add_commands(sub) -> None:
                    help="time every op of one decode step and one prompt ubatch (where the time goes)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
+    _attn_precision_arg(b)
     b.add_argument("--json", default=None, help="write the numbers to this file")
     b.set_defaults(func=_cmd_bench_model)
 

@@ -163,7 +163,7 @@ class ModelRefs:
 
     def attention_quantized(self) -> bool:
         """Every q, k, v and output projection quantized: the prompt attention may then run
-        on tf32 tensor cores (runtime.prompt_attention)."""
+        on f16 tensor cores (runtime.prompt_attention)."""
         return all(t.quantized for L in self.layers for t in (L.wq, L.wk, L.wv, L.wo))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import prompt_attention
 from .arch_qwen3moe import HParams, ModelRefs
 
 
@@ -54,8 +55,12 @@ class Backend:
     name = "?"
     xp = np
 
-    def __init__(self, hp: HParams):
+    def __init__(self, hp: HParams, attn_precision: str | None = None):
         self.hp = hp
+        # the prompt attention's precision (runtime.prompt_attention); None until upload
+        # resolves it: f16 where the attention weights are quantized, else f32
+        self.attn_request = None if attn_precision is None else prompt_attention.check_precision(attn_precision)
+        self.attn_precision = self.attn_request
 
     def decoding(self):
         """Context of a one-token step (the CUDA backend chains its launches there)."""
@@ -70,6 +75,7 @@ class Backend:
 
     def upload(self, refs: ModelRefs, progress=None) -> Weights:
         """Layer by layer, so that at most one layer's merged host copy exists at a time."""
+        self.attn_precision = self.attn_request or ("f16" if refs.attention_quantized() else "f32")
         M, V = self.matrix, self.vector
         tok = M(refs.tok_embd, embedding=True)
         out = tok if refs.output is refs.tok_embd else M(refs.output)

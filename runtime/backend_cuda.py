@@ -38,9 +38,9 @@ class GpuWeight:
 class CudaBackend(CudaMoeOps, Backend):
     name = "cuda"
 
-    def __init__(self, hp):
+    def __init__(self, hp, attn_precision: str | None = None):
         cp = require_gpu("the cuda backend")
-        super().__init__(hp)
+        super().__init__(hp, attn_precision)
         lim = ModelSpec()
         if hp.n_expert > lim.max_experts or hp.head_dim > lim.max_head_dim or hp.n_expert_used > 32:
             raise ValueError(f"the cuda backend handles up to {lim.max_experts} experts, 32 of them per token, and "
@@ -62,8 +62,8 @@ class CudaBackend(CudaMoeOps, Backend):
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
         self.fuse_glu_quant = True     # past decode sizes the down product's quantizer applies SwiGLU
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
-        self.attn_tensor_cores = True  # prompt attention on tf32 (runtime.prompt_attention); see upload
-        self.attn_tile_buffers = None  # its key tiles: 1 or 2 (None: as the card's shared memory allows)
+        self.attn_tile_buffers = None  # tensor-core prompt attention's key tiles: 1 or 2 (None: as
+                                       # the card's shared memory allows)
 
     def context(self):
         return self.stream
@@ -116,10 +116,6 @@ class CudaBackend(CudaMoeOps, Backend):
         from .backend_numpy import _float_rows
         host = _float_rows(np.asarray(ref.load()).reshape(-1, ref.shape[-1]), ref.qtype).reshape(ref.shape)
         return GpuWeight(ref.qtype, ref.shape, f=self.cp.asarray(host))
-
-    def upload(self, refs, progress=None):
-        self.attn_tensor_cores = refs.attention_quantized()
-        return super().upload(refs, progress)
 
     def stacked_qkv(self, L):
         """Quantized q, k, v of one type become one matrix: one product (at decode one launch
@@ -237,7 +233,7 @@ class CudaBackend(CudaMoeOps, Backend):
                 _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
             return out
         info = self._device()
-        kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_tensor_cores, info["smem_per_block_optin"])
+        kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"])
         if kernel is not None:
             return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"])
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
@@ -257,8 +253,8 @@ class CudaBackend(CudaMoeOps, Backend):
         args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
                 _f32(scale * math.log2(math.e)))
         smem = prompt_attention.smem_bytes(hp, kernel)
-        if kernel == "attn_prefill_tc":
-            bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, smem_limit)
+        if kernel != "attn_prefill":
+            bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, smem_limit, kernel)
             args += (_i32(bufs),)
             smem = prompt_attention.smem_bytes(hp, kernel, bufs)
         self.kernel(kernel)((hp.n_head_kv, -(-n // prompt_attention.ROWS[kernel])),

@@ -9,8 +9,9 @@ makes. Two numerics for the quantized products:
   "kernel"  activations quantized to q8_1 blocks first and multiplied block by block
             against the integer quants, exactly as moeforge's GPU kernels do: the
             prediction of the CUDA backend's result, to float32 rounding. Where the
-            GPU's prompt attention runs on tf32 tensor cores (quantized attention
-            weights), so does this one's (runtime.prompt_attention.attention_tf32).
+            GPU's prompt attention runs on f16 or tf32 tensor cores (quantized
+            attention weights, or attn_precision), so does this one's
+            (runtime.prompt_attention.attention_tc).
 """
 from __future__ import annotations
 
@@ -93,12 +94,12 @@ class NumpyBackend(Backend):
     name = "numpy"
     xp = np
 
-    def __init__(self, hp, numerics: str = "float"):
-        super().__init__(hp)
+    def __init__(self, hp, numerics: str = "float", attn_precision: str | None = None):
+        super().__init__(hp, attn_precision)
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
-        self.attn_tf32 = False       # prompt attention at the GPU's tf32 precision; set by upload
+        self.attn_tc = None          # the GPU's tensor-core prompt attention emulated; set by upload
 
     def matrix(self, tref, embedding: bool = False):
         return NpMatrix(tref, self.numerics)
@@ -140,16 +141,18 @@ class NumpyBackend(Backend):
         cache.v[il, pos0:pos0 + n] = v
 
     def upload(self, refs, progress=None):
-        # numerics="kernel" follows the GPU's prompt attention onto tf32 where it goes there
-        # (on an sm_80+ card, the generations moeforge builds for: codegen.compile.ARCHS)
-        self.attn_tf32 = (self.numerics == "kernel" and refs.attention_quantized()
-                          and prompt_attention.kernel_for(self.hp, "8.0") == "attn_prefill_tc")
-        return super().upload(refs, progress)
+        weights = super().upload(refs, progress)
+        # numerics="kernel" follows the GPU's prompt attention onto tensor cores where it goes
+        # there (on an sm_80+ card, the generations moeforge builds for: codegen.compile.ARCHS)
+        kernel = prompt_attention.kernel_for(self.hp, "8.0", self.attn_precision)
+        self.attn_tc = self.attn_precision if self.numerics == "kernel" and kernel in prompt_attention.TENSOR_CORE.values() else None
+        return weights
 
     def attention(self, cache, il, q, pos, pos0, n, name):
         hp = self.hp
-        if n > 1 and self.attn_tf32:
-            return prompt_attention.attention_tf32(q, cache.k[il], cache.v[il], hp, pos0).astype(np.float32)
+        if n > 1 and self.attn_tc:
+            return prompt_attention.attention_tc(q, cache.k[il], cache.v[il], hp, pos0,
+                                                 self.attn_tc).astype(np.float32)
         L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
         K = cache.k[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
         V = cache.v[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)

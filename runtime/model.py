@@ -19,7 +19,8 @@ BACKENDS = ("cuda", "numpy")
 
 class Model:
     def __init__(self, f: GGUFFile, backend: str = "cuda", *, n_ctx: int | None = None, n_ubatch: int = 512,
-                 numerics: str = "float", merge_gate_up: bool = True, progress=None):
+                 numerics: str = "float", merge_gate_up: bool = True, attn_precision: str | None = None,
+                 progress=None):
         arch_name = f.architecture
         if arch_name not in ARCHS:
             raise GGUFError(f"{f.path}: architecture {arch_name!r} is not supported (moeforge runs "
@@ -30,10 +31,10 @@ class Model:
         self.file, self.path, self.arch, self.hp = f, f.path, arch_name, refs.hp
         if backend == "numpy":
             from .backend_numpy import NumpyBackend
-            self.backend = NumpyBackend(self.hp, numerics)
+            self.backend = NumpyBackend(self.hp, numerics, attn_precision)
         elif backend == "cuda":
             from .backend_cuda import CudaBackend
-            self.backend = CudaBackend(self.hp)
+            self.backend = CudaBackend(self.hp, attn_precision)
         else:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.weights = self.backend.upload(refs, progress)
@@ -155,7 +156,9 @@ class Model:
 
 def load_model(path, backend: str = "cuda", **kwargs) -> Model:
     """Load a GGUF model. backend: "cuda" (moeforge's kernels) or "numpy" (CPU reference;
-    numerics="float" or "kernel"). Validation errors are GGUFError (a ValueError)."""
+    numerics="float" or "kernel"). attn_precision: the prompt attention's, "f16", "tf32" or
+    "f32" (default: f16 where the attention weights are quantized, else f32;
+    runtime.prompt_attention). Validation errors are GGUFError (a ValueError)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cuda":

@@ -1,58 +1,78 @@
 """Prompt attention: which kernel a model's heads get, the shared memory it takes, and the
-arithmetic of the tensor-core one in numpy (what numerics="kernel" reproduces).
+arithmetic of the tensor-core ones in numpy (what numerics="kernel" reproduces).
 
-attn_prefill_tc (templates/attn_prefill.cuh.j2) runs on tf32 tensor cores: q (scaled by
-scale * log2 e in float32) and the probabilities are rounded to 10-bit mantissas, keys and
-values truncated to them (the tensor cores read their float32 as it is); sums are float32,
-the softmax online in base 2, in two halves of each tile merged at the end. It is used
-where the attention weights are quantized: their q8_1 activations already cost more than
-tf32 does, and it is the precision llama.cpp's flash attention works at (f16). Float models
-keep attn_prefill, float32 throughout.
+The precision is a choice of the model (`attn_precision`): "f16" (the default where the
+attention weights are quantized: their q8_1 activations already cost more than f16 does, and
+it is the precision of llama.cpp's flash attention and f16 KV cache), "tf32" (float32's
+range, 10-bit mantissas) or "f32" (the default of float models). Kernels
+(templates/attn_prefill*.cuh.j2):
+- attn_prefill_f16: q (scaled by scale * log2 e in float32), keys, values and the
+  probabilities rounded to f16 (nearest even); sums float32.
+- attn_prefill_tc: q and the probabilities rounded to tf32 (ties away), keys and values
+  truncated to it (the tensor cores read their float32 as it is); sums float32.
+- attn_prefill: float32 FMA throughout.
+Both tensor-core kernels run the softmax online in base 2, in two halves of each 64-key tile
+merged at the end.
 """
 from __future__ import annotations
 
 import numpy as np
 
-ROWS = {"attn_prefill": 8, "attn_prefill_tc": 16}   # query tokens per block
-KEYS, HALF = 64, 32                                 # attn_prefill_tc: keys per tile, per warp
+PRECISIONS = ("f16", "tf32", "f32")
+ROWS = {"attn_prefill": 8, "attn_prefill_tc": 16, "attn_prefill_f16": 16}   # query tokens per block
+KEYS, HALF = 64, 32                      # the tensor-core kernels: keys per tile, per warp
+TENSOR_CORE = {"f16": "attn_prefill_f16", "tf32": "attn_prefill_tc"}
 
 
-def kernel_for(hp, cc: str, tensor_cores: bool = True, smem_limit: int | None = None) -> str | None:
-    """The prompt attention kernel for these heads, None where neither takes them (cuBLAS
-    then, eagerly). attn_prefill_tc (sm_80+): query heads in groups of up to 8, head widths
-    multiples of 32 up to 128. attn_prefill (float32 FMA): groups of up to 16, widths multiples
-    of 4 up to 128. smem_limit: a block's shared memory on the card (none: any fits)."""
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"attn_precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = None) -> str | None:
+    """The prompt attention kernel for these heads at this precision, None where none takes
+    them (cuBLAS then, eagerly). The tensor-core kernels (sm_80+): query heads in groups of
+    up to 8, head widths up to 128, multiples of 16 (f16) or 32 (tf32). attn_prefill (float32
+    FMA, also where a tensor-core one cannot run): groups of up to 16, widths multiples of 4
+    up to 128. smem_limit: a block's shared memory on the card (none: any fits)."""
+    check_precision(precision)
     if hp.n_head % hp.n_head_kv or hp.head_dim > 128:
         return None
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     fits = lambda kernel: smem_limit is None or smem_bytes(hp, kernel, bufs=1) <= smem_limit  # noqa: E731
-    if tensor_cores and int(cc.split(".")[0]) >= 8 and g <= 8 and hd % 32 == 0 and fits("attn_prefill_tc"):
-        return "attn_prefill_tc"
+    kernel = TENSOR_CORE.get(precision)
+    width = 16 if precision == "f16" else 32
+    if kernel and int(cc.split(".")[0]) >= 8 and g <= 8 and hd % width == 0 and fits(kernel):
+        return kernel
     return "attn_prefill" if g <= 16 and hd % 4 == 0 and fits("attn_prefill") else None
 
 
 def threads(hp, kernel: str) -> int:
-    """A block's threads: attn_prefill a warp per query head of the group; attn_prefill_tc
-    sixteen warps whatever the group (two per head of up to 8; those past the group only
-    copy key tiles)."""
-    return 512 if kernel == "attn_prefill_tc" else 32 * (hp.n_head // hp.n_head_kv)
+    """A block's threads: attn_prefill a warp per query head of the group; the tensor-core
+    kernels sixteen warps whatever the group (two per head of up to 8; those past the group
+    only copy key tiles)."""
+    return 32 * (hp.n_head // hp.n_head_kv) if kernel == "attn_prefill" else 512
 
 
 def smem_bytes(hp, kernel: str, bufs: int = 2) -> int:
     """A block's dynamic shared memory, row strides as in the kernels: attn_prefill holds q
     rows, two key and two value tiles and the probabilities (floats); attn_prefill_tc q rows
-    (tf32) and `bufs` 64-key tiles of keys and values (float32)."""
+    (tf32) and `bufs` 64-key tiles of keys and values (float32); attn_prefill_f16 q rows and
+    one key and value tile (f16) and `bufs` staging tiles of keys and values (float32)."""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     rows = ROWS[kernel]
+    if kernel == "attn_prefill_f16":
+        return 2 * (g * rows * (hd + 8) + 2 * KEYS * (hd + 8)) + 4 * 2 * bufs * KEYS * hd
     if kernel == "attn_prefill_tc":
         return 4 * (g * rows * (hd + 4) + bufs * KEYS * (hd + 4) + bufs * KEYS * (hd + 8))
     return 4 * (g * rows * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * rows * 32)
 
 
-def tile_buffers(hp, smem_limit: int) -> int:
-    """attn_prefill_tc's key tiles: two (the next copied while this one is used) where a block
-    has the room, else one."""
-    return 2 if smem_bytes(hp, "attn_prefill_tc", bufs=2) <= smem_limit else 1
+def tile_buffers(hp, smem_limit: int, kernel: str = "attn_prefill_f16") -> int:
+    """A tensor-core kernel's key tiles in flight: two (the next copied while this one is
+    used) where a block has the room, else one."""
+    return 2 if smem_bytes(hp, kernel, bufs=2) <= smem_limit else 1
 
 
 def _top19(a, half_ulp: int) -> np.ndarray:
@@ -71,17 +91,28 @@ def tf32_truncated(a) -> np.ndarray:
     return _top19(a, 0)
 
 
-def attention_tf32(q, k, v, hp, pos0: int) -> np.ndarray:
-    """attn_prefill_tc's result in float64 between its rounding points. q (n, q_dim) float32
-    for positions pos0.., k and v (L, kv_dim) float32 the cache up to pos0 + n. Half h of
-    each 64-key tile (keys 32h..32h+31) has its own online softmax, as in the kernel (where p
-    is rounded relative to that half's running max); the halves merge at the end."""
+def f16(a) -> np.ndarray:
+    """cvt.rn.f16.f32: float32 rounded to f16, nearest even (subnormals kept, past 65504 inf)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+# the rounding points of each tensor-core kernel: q (scaled), keys and values, probabilities
+ROUNDING = {"tf32": (tf32, tf32_truncated, tf32), "f16": (f16, f16, f16)}
+
+
+def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16") -> np.ndarray:
+    """A tensor-core kernel's result in float64 between its rounding points. q (n, q_dim)
+    float32 for positions pos0.., k and v (L, kv_dim) float32 the cache up to pos0 + n. Half h
+    of each 64-key tile (keys 32h..32h+31) has its own online softmax, as in the kernels (where
+    p is rounded relative to that half's running max); the halves merge at the end."""
+    round_q, round_kv, round_p = ROUNDING[precision]
     n, hd, hkv = q.shape[0], hp.head_dim, hp.n_head_kv
     g, L = hp.n_head // hkv, pos0 + n
     scale_log2 = np.float32(1.0 / np.sqrt(hd) * np.log2(np.e))
-    qs = tf32(q * scale_log2).astype(np.float64).reshape(n, hkv, g, hd)
-    ks = tf32_truncated(k[:L]).astype(np.float64).reshape(L, hkv, hd)
-    vs = tf32_truncated(v[:L]).astype(np.float64).reshape(L, hkv, hd)
+    qs = round_q(q * scale_log2).astype(np.float64).reshape(n, hkv, g, hd)
+    ks = round_kv(k[:L]).astype(np.float64).reshape(L, hkv, hd)
+    vs = round_kv(v[:L]).astype(np.float64).reshape(L, hkv, hd)
     last = pos0 + np.arange(n)
     halves = []
     for h in range(KEYS // HALF):
@@ -96,7 +127,7 @@ def attention_tf32(q, k, v, hp, pos0: int) -> np.ndarray:
             base = np.where(mn == -np.inf, 0.0, mn)     # a row that has seen no key of this half
             alpha, p = np.exp2(m - base), np.exp2(s - base[..., None])
             total = total * alpha + p.sum(axis=-1)
-            o = o * alpha[..., None] + np.einsum("hgnl,lhd->hgnd", tf32(p).astype(np.float64), vs[j0:j1])
+            o = o * alpha[..., None] + np.einsum("hgnl,lhd->hgnd", round_p(p).astype(np.float64), vs[j0:j1])
             m = mn
         halves.append((m, total, o))
     (ma, la, oa), (mb, lb, ob) = halves

@@ -74,6 +74,9 @@ def test_perplexity_and_run_on_numpy(tiny, tmp_path, capsys):
     assert 1 < ppl < 1e6 and np.isfinite(ppl)
     assert main(["run", tiny, "-p", "Hello", "-n", "3", "--backend", "numpy"]) == 0
     assert capsys.readouterr().out.startswith("Hello")
+    assert main(["run", tiny, "-p", "Hello", "-n", "3", "--backend", "numpy", "--attn-precision", "tf32"]) == 0
+    with pytest.raises(SystemExit):
+        main(["run", tiny, "-p", "Hello", "--backend", "numpy", "--attn-precision", "bf16"])
 
 
 def test_kernel_bench_is_untouched():

@@ -185,3 +185,25 @@ def test_mixed_gate_up_types_stay_separate(tiny, tmp_path):
     assert m.weights.layers[0].gate_up is None and m.weights.layers[0].up.qtype == "q8_0"
     assert m.weights.layers[1].gate_up is not None
     assert np.isfinite(m.logits([1, 2, 3])).all()
+
+
+def test_prompt_attention_precision(tiny):
+    """The numpy backend's kernel numerics follow the GPU's prompt attention: f16 tensor cores
+    by default where the attention weights are quantized, tf32 or float32 on request; the
+    three differ, and a precision that does not exist is refused before anything loads."""
+    toks = list(range(3, 40))
+    got = {}
+    for prec in (None, "f16", "tf32", "f32"):
+        m = load_model(tiny, backend="numpy", numerics="kernel", attn_precision=prec)
+        assert m.backend.attn_precision == (prec or "f16")
+        assert m.backend.attn_tc == (None if prec == "f32" else prec or "f16")
+        got[prec] = m.logits(toks)
+    np.testing.assert_array_equal(got[None], got["f16"])
+    assert not np.array_equal(got["f16"], got["tf32"]) and not np.array_equal(got["f16"], got["f32"])
+    # the activations' q8_1 rounding amplifies any difference to ~1% of the logits (as far as
+    # kernel numerics are from float ones); a broken emulation is far past that
+    rel = np.sqrt(((got["f16"] - got["f32"]) ** 2).mean() / (got["f32"] ** 2).mean())
+    assert rel < 5e-2, rel
+    assert load_model(tiny, backend="numpy").backend.attn_tc is None      # float numerics: float64
+    with pytest.raises(ValueError, match="attn_precision must be one of"):
+        load_model(tiny, backend="numpy", attn_precision="bf16")

@@ -31,7 +31,7 @@ def test_low_precision_close_to_llama_cpp(parity_models, name, numerics):
 
 def test_kv_cache_consistency(parity_models):
     """All at once == token by token == in uneven chunks. (Float numerics: with "kernel" the
-    prompt attention is the GPU's tf32 one and the one-token steps are float32, on purpose.)"""
+    prompt attention is the GPU's f16 one and the one-token steps are float32, on purpose.)"""
     fx = parity_models["q4_0"]
     m = load_model(fx["path"], backend="numpy", numerics="float")
     toks = fx["tokens"][:24]

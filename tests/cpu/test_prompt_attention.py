@@ -1,11 +1,15 @@
 """runtime.prompt_attention without a GPU: which kernel a model's heads get, its shared
-memory, and the numpy arithmetic of the tensor-core kernel (numerics="kernel") against a
-row-by-row version of the same steps and against float64."""
+memory, the numpy arithmetic of the tensor-core kernels (numerics="kernel") against a
+row-by-row version of the same steps and against float64, and the kernels' ldmatrix
+addresses, as rendered, against the mma fragments they must deliver."""
+import re
+
 import numpy as np
+import pytest
 
 from moeforge.runtime.arch_qwen3moe import HParams
-from moeforge.runtime.prompt_attention import (attention_tf32, kernel_for, smem_bytes, tf32, tf32_truncated,
-                                              threads, tile_buffers)
+from moeforge.runtime.prompt_attention import (ROUNDING, attention_tc, check_precision, f16, kernel_for,
+                                              smem_bytes, tf32, tf32_truncated, threads, tile_buffers)
 
 
 def _hp(n_head, n_head_kv, head_dim):
@@ -14,15 +18,25 @@ def _hp(n_head, n_head_kv, head_dim):
 
 
 def test_qwen3_heads_get_tensor_cores_from_sm80():
-    assert kernel_for(_hp(32, 4, 128), "9.0") == "attn_prefill_tc"     # Qwen3-30B-A3B
-    assert kernel_for(_hp(32, 4, 128), "8.0") == "attn_prefill_tc"
+    assert kernel_for(_hp(32, 4, 128), "9.0") == "attn_prefill_f16"    # Qwen3-30B-A3B
+    assert kernel_for(_hp(32, 4, 128), "8.0") == "attn_prefill_f16"
+    assert kernel_for(_hp(32, 4, 128), "9.0", "tf32") == "attn_prefill_tc"
     assert kernel_for(_hp(32, 4, 128), "7.5") == "attn_prefill"
-    assert kernel_for(_hp(32, 4, 128), "9.0", tensor_cores=False) == "attn_prefill"
+    assert kernel_for(_hp(32, 4, 128), "7.5", "tf32") == "attn_prefill"
+    assert kernel_for(_hp(32, 4, 128), "9.0", "f32") == "attn_prefill"
+
+
+def test_an_unknown_precision_is_refused():
+    assert check_precision("tf32") == "tf32"
+    with pytest.raises(ValueError, match="attn_precision must be one of"):
+        kernel_for(_hp(32, 4, 128), "9.0", "bf16")
 
 
 def test_heads_past_the_tensor_core_kernel_fall_back():
     assert kernel_for(_hp(64, 4, 128), "9.0") == "attn_prefill"         # 16 heads a group
-    assert kernel_for(_hp(6, 3, 36), "9.0") == "attn_prefill"           # width not a multiple of 32
+    assert kernel_for(_hp(6, 3, 36), "9.0") == "attn_prefill"           # width not a multiple of 16
+    assert kernel_for(_hp(6, 3, 48), "9.0") == "attn_prefill_f16"       # a multiple of 16 ...
+    assert kernel_for(_hp(6, 3, 48), "9.0", "tf32") == "attn_prefill"   # ... not of 32
     assert kernel_for(_hp(8, 8, 256), "9.0") is None                    # wider than 128: cuBLAS
     assert kernel_for(_hp(34, 1, 64), "9.0") is None                    # 34 heads a group
     assert kernel_for(_hp(4, 2, 30), "9.0") is None                     # not a multiple of 4
@@ -33,6 +47,7 @@ def test_block_sizes():
     # the tensor-core kernel keeps sixteen warps whatever the group: they all copy key tiles
     for heads in ((32, 4, 128), (16, 4, 64), (8, 8, 32)):
         assert threads(_hp(*heads), "attn_prefill_tc") == 512
+        assert threads(_hp(*heads), "attn_prefill_f16") == 512
     assert threads(_hp(32, 4, 128), "attn_prefill") == 256
     assert threads(_hp(16, 4, 64), "attn_prefill") == 128
     assert threads(_hp(64, 4, 128), "attn_prefill") == 512
@@ -43,19 +58,22 @@ def test_shared_memory_of_qwen3_heads():
     assert smem_bytes(hp, "attn_prefill_tc") == 4 * (8 * 16 * 132 + 2 * 64 * 132 + 2 * 64 * 136)
     assert smem_bytes(hp, "attn_prefill") == 4 * (8 * 8 * 128 + 2 * 32 * 129 + 2 * 32 * 128 + 8 * 8 * 32)
     assert smem_bytes(hp, "attn_prefill_tc") <= 227 * 1024             # one block on an H100
+    assert smem_bytes(hp, "attn_prefill_f16") == 2 * (8 * 16 * 136 + 2 * 64 * 136) + 4 * 2 * 2 * 64 * 128
+    assert smem_bytes(hp, "attn_prefill_f16") <= 227 * 1024
     assert 2 * (smem_bytes(hp, "attn_prefill") + 1024) <= 228 * 1024  # two
     assert smem_bytes(_hp(64, 4, 128), "attn_prefill") <= 227 * 1024
 
 
-def test_a_card_with_less_shared_memory_gets_a_kernel_that_fits():
+@pytest.mark.parametrize("precision,kernel", [("f16", "attn_prefill_f16"), ("tf32", "attn_prefill_tc")])
+def test_a_card_with_less_shared_memory_gets_a_kernel_that_fits(precision, kernel):
     hp = _hp(32, 4, 128)
-    assert kernel_for(hp, "9.0", smem_limit=227 * 1024) == "attn_prefill_tc"
-    assert tile_buffers(hp, 227 * 1024) == 2                                    # H100: double-buffered
-    assert kernel_for(hp, "8.0", smem_limit=163 * 1024) == "attn_prefill_tc"
-    assert tile_buffers(hp, 163 * 1024) == 1                                    # A100: one tile
-    assert smem_bytes(hp, "attn_prefill_tc", bufs=1) <= 163 * 1024 < smem_bytes(hp, "attn_prefill_tc")
-    assert kernel_for(hp, "8.6", smem_limit=99 * 1024) is None                  # cuBLAS then
-    assert kernel_for(_hp(8, 8, 32), "8.6", smem_limit=99 * 1024) == "attn_prefill_tc"
+    assert kernel_for(hp, "9.0", precision, smem_limit=227 * 1024) == kernel
+    assert tile_buffers(hp, 227 * 1024, kernel) == 2                            # H100: double-buffered
+    assert kernel_for(hp, "8.0", precision, smem_limit=163 * 1024) == kernel
+    assert tile_buffers(hp, 163 * 1024, kernel) == 1                            # A100: one tile
+    assert smem_bytes(hp, kernel, bufs=1) <= 163 * 1024 < smem_bytes(hp, kernel)
+    assert kernel_for(hp, "8.6", precision, smem_limit=99 * 1024) is None       # cuBLAS then
+    assert kernel_for(_hp(8, 8, 32), "8.6", precision, smem_limit=99 * 1024) == kernel
 
 
 def test_tf32_rounds_to_nearest_ties_away_or_truncates():
@@ -65,12 +83,19 @@ def test_tf32_rounds_to_nearest_ties_away_or_truncates():
     np.testing.assert_array_equal(tf32_truncated(x), np.array([1.0, 1.0, 1 + 2**-10, -1.0, 3 * 2**-13], np.float32))
 
 
-def _rows_one_by_one(q, k, v, hp, pos0):
+def test_f16_rounds_to_nearest_even_and_keeps_subnormals():
+    x = np.array([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 2**-24 * 1.5, 2**-26, 65504.0, 65520.0], np.float32)
+    want = np.array([1.0, 1 + 2**-9, -1.0, 2**-23, 0.0, 65504.0, np.inf], np.float32)
+    np.testing.assert_array_equal(f16(x), want)
+
+
+def _rows_one_by_one(q, k, v, hp, pos0, precision):
     """Each row and head on its own: two online softmaxes, over keys 0-31, 64-95, ... and
     32-63, 96-127, ... up to the row's position, merged."""
+    round_q, round_kv, round_p = ROUNDING[precision]
     n, g, hd = q.shape[0], hp.n_head // hp.n_head_kv, hp.head_dim
-    qs = tf32(q * np.float32(1.0 / np.sqrt(hd) * np.log2(np.e))).astype(np.float64)
-    ks, vs = tf32_truncated(k).astype(np.float64), tf32_truncated(v).astype(np.float64)
+    qs = round_q(q * np.float32(1.0 / np.sqrt(hd) * np.log2(np.e))).astype(np.float64)
+    ks, vs = round_kv(k).astype(np.float64), round_kv(v).astype(np.float64)
     out = np.empty((n, hp.q_dim))
     for t in range(n):
         for h in range(hp.n_head):
@@ -84,7 +109,7 @@ def _rows_one_by_one(q, k, v, hp, pos0):
                     mn = max(m, s.max())
                     alpha, p = 2.0 ** (m - mn), 2.0 ** (s - mn)
                     total = total * alpha + p.sum()
-                    o = o * alpha + tf32(p).astype(np.float64) @ vs[j0:j1, c]
+                    o = o * alpha + round_p(p).astype(np.float64) @ vs[j0:j1, c]
                     m = mn
                 parts.append((m, total, o))
             (ma, la, oa), (mb, lb, ob) = parts
@@ -94,15 +119,16 @@ def _rows_one_by_one(q, k, v, hp, pos0):
     return out
 
 
-def test_tf32_emulation_steps_and_accuracy():
+@pytest.mark.parametrize("precision", ["f16", "tf32"])
+def test_tensor_core_emulation_steps_and_accuracy(precision):
     hp = _hp(8, 2, 32)
     rng = np.random.default_rng()
     n, pos0 = 21, 43
     q = (2 * rng.standard_normal((n, hp.q_dim))).astype(np.float32)
     k = rng.standard_normal((pos0 + n + 5, hp.kv_dim)).astype(np.float32)
     v = rng.standard_normal((pos0 + n + 5, hp.kv_dim)).astype(np.float32)
-    got = attention_tf32(q, k, v, hp, pos0)
-    np.testing.assert_allclose(got, _rows_one_by_one(q, k, v, hp, pos0), rtol=0, atol=1e-12)
+    got = attention_tc(q, k, v, hp, pos0, precision)
+    np.testing.assert_allclose(got, _rows_one_by_one(q, k, v, hp, pos0, precision), rtol=0, atol=1e-12)
     g, hd = 4, 32
     exact = np.empty_like(got)
     for t in range(n):
@@ -112,7 +138,7 @@ def test_tf32_emulation_steps_and_accuracy():
             p = np.exp(s - s.max())
             exact[t, h * hd:(h + 1) * hd] = p @ v[:pos0 + t + 1, c] / p.sum()
     nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
-    assert 1e-12 < nmse < 1e-5, nmse       # tf32's rounding shows, far inside the 5e-4 bar
+    assert 1e-12 < nmse < 1e-5, nmse       # the rounding shows, far inside the 5e-4 bar
 
 
 def test_ldmatrix_fragments_are_the_tf32_fragments_of_the_mma():
@@ -121,7 +147,6 @@ def test_ldmatrix_fragments_are_the_tf32_fragments_of_the_mma():
     addresses as the kernel writes them, each lane must receive the words of mma m16n8k8's
     tf32 fragments: A (gr, tq), (gr+8, tq), (gr, tq+4), (gr+8, tq+4) of q's 16 rows; B (key
     row of S's column gr in the order 0 4 1 5 2 6 3 7, words tq and tq+4) for 4 n8 blocks."""
-    import re
     from moeforge.codegen.render import render
     from moeforge.codegen.spec import ModelSpec
     src = render(ModelSpec())
@@ -149,3 +174,80 @@ def test_ldmatrix_fragments_are_the_tf32_fragments_of_the_mma():
             for nb, (m0, m1) in enumerate([(b01[0], b01[1]), (b01[2], b01[3]), (b23[0], b23[1]), (b23[2], b23[3])]):
                 kr = (nb * 8 + kperm) * lk + c + tq
                 assert (m0[t], m1[t]) == (k[kr], k[kr + 4])
+
+
+def _ldmatrix(halves, row_of_lane, trans=False):
+    """ldmatrix.x4 on a flat array of 16-bit values: lane l gives the address of row l%8 of
+    matrix l/8; lane t receives the pair (row t/4, elements 2(t%4), 2(t%4)+1) of each matrix,
+    or with .trans the pair (rows 2(t%4), 2(t%4)+1, element t/4)."""
+    out = []
+    for i in range(4):
+        m = np.array([halves[row_of_lane[8 * i + r]:row_of_lane[8 * i + r] + 8] for r in range(8)])
+        if trans:
+            m = m.T
+        out.append([(m[t // 4, 2 * (t % 4)], m[t // 4, 2 * (t % 4) + 1]) for t in range(32)])
+    return out
+
+
+def _mma_m16n8k16(d, a, b0, b1):
+    """d += A . B with the PTX fragment layouts (gr = t/4, tq = t%4): A pairs (gr, 2tq..),
+    (gr+8, 2tq..), (gr, 8+2tq..), (gr+8, 8+2tq..); B pairs (k 2tq.., n gr), (k 8+2tq.., n gr);
+    C (gr, 2tq), (gr, 2tq+1), (gr+8, 2tq), (gr+8, 2tq+1)."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for t in range(32):
+        gr, c = t // 4, 2 * (t % 4)
+        A[gr, c:c + 2], A[gr + 8, c:c + 2], A[gr, c + 8:c + 10], A[gr + 8, c + 8:c + 10] = (x[t] for x in a)
+        B[c:c + 2, gr], B[c + 8:c + 10, gr] = b0[t], b1[t]
+    C = A @ B
+    for t in range(32):
+        gr, c = t // 4, 2 * (t % 4)
+        d[t] += np.array([C[gr, c], C[gr, c + 1], C[gr + 8, c], C[gr + 8, c + 1]])
+
+
+@pytest.mark.parametrize("hd", [128, 48])
+def test_ldmatrix_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd):
+    """attn_prefill_f16's q, key and (transposed) value row addresses, as the rendered kernel
+    writes them, fed through ldmatrix and m16n8k16 as PTX defines them: each warp half's S
+    must be q . k^T of its 32 keys in natural order, and O its S (as P, in the registers S
+    left it in) times the value rows."""
+    from moeforge.codegen.render import render
+    from moeforge.codegen.spec import ModelSpec
+    src = render(ModelSpec())
+    body = src[src.index("attn_prefill_f16("):]
+    expr = {name: re.search(rf"const unsigned short\* {name} = (\w+) \+ (.+?);", body).group(2)
+            for name in ("qa", "ka", "va")}
+    for call in ("ldsm_x4(a, qa + c);", "ldsm_x4(b01, ka + c);", "ldsm_x4(b23, ka + 16 * ls + c);",
+                 "ldsm_x4_trans(b, va + kb * 16 * ls + np * 16);", "mma_f16(o[2 * np], a, b[0], b[1]);",
+                 "mma_f16(o[2 * np + 1], a, b[2], b[3]);", "const unsigned a[4] = {f16x2_of(s[2 * kb][0], "
+                 "s[2 * kb][1]), f16x2_of(s[2 * kb][2], s[2 * kb][3]),"):
+        assert call in body, call
+    ls = hd + 8
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal(rows * ls) for rows in (16, 64, 64))
+    for half in (0, 1):
+        lanes = [dict(lm=ln >> 3, lr=ln & 7, ls=ls, half=half, head=0, F16_ROWS=16) for ln in range(32)]
+        qa, ka, va = ([eval(expr[x], {}, env) for env in lanes] for x in ("qa", "ka", "va"))  # noqa: S307
+        s = np.zeros((4, 32, 4))
+        for c in range(0, hd, 16):
+            a = _ldmatrix(q, [x + c for x in qa])
+            b01, b23 = _ldmatrix(k, [x + c for x in ka]), _ldmatrix(k, [x + 16 * ls + c for x in ka])
+            for nb, (b0, b1) in enumerate([(b01[0], b01[1]), (b01[2], b01[3]), (b23[0], b23[1]), (b23[2], b23[3])]):
+                _mma_m16n8k16(s[nb], a, b0, b1)
+        S = q.reshape(16, ls)[:, :hd] @ k.reshape(64, ls)[32 * half:32 * half + 32, :hd].T
+        PV = S @ v.reshape(64, ls)[32 * half:32 * half + 32, :hd]
+        o = np.zeros((hd // 8, 32, 4))
+        for kb in range(2):
+            a = [[(s[2 * kb + i // 2][t][2 * (i % 2)], s[2 * kb + i // 2][t][2 * (i % 2) + 1]) for t in range(32)]
+                 for i in range(4)]
+            for npair in range(hd // 16):
+                b = _ldmatrix(v, [x + kb * 16 * ls + npair * 16 for x in va], trans=True)
+                _mma_m16n8k16(o[2 * npair], a, b[0], b[1])
+                _mma_m16n8k16(o[2 * npair + 1], a, b[2], b[3])
+        for t in range(32):
+            gr, c = t // 4, 2 * (t % 4)
+            for nb in range(4):
+                np.testing.assert_allclose(s[nb][t], [S[gr, nb * 8 + c], S[gr, nb * 8 + c + 1],
+                                                      S[gr + 8, nb * 8 + c], S[gr + 8, nb * 8 + c + 1]], atol=1e-9)
+            for nb in range(hd // 8):
+                np.testing.assert_allclose(o[nb][t], [PV[gr, nb * 8 + c], PV[gr, nb * 8 + c + 1],
+                                                      PV[gr + 8, nb * 8 + c], PV[gr + 8, nb * 8 + c + 1]], atol=1e-9)

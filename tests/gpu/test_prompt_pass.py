@@ -1,4 +1,4 @@
-"""The prompt pass on the GPU (pytest -m gpu): both prompt attention kernels against their
+"""The prompt pass on the GPU (pytest -m gpu): the prompt attention kernels against their
 references, the tiled float product, and a prompt ubatch replayed as a CUDA graph bit for
 bit the eager pass, at other positions too."""
 import warnings
@@ -8,7 +8,7 @@ import pytest
 
 from moeforge.runtime.arch_qwen3moe import HParams
 from moeforge.runtime.model import load_model
-from moeforge.runtime.prompt_attention import attention_tf32, kernel_for
+from moeforge.runtime.prompt_attention import attention_tc, kernel_for
 
 pytestmark = pytest.mark.gpu
 
@@ -40,27 +40,33 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel,heads,pos0,n,bufs", [("attn_prefill_tc", *c, None) for c in CASES] + [
-    ("attn_prefill_tc", (32, 4, 128), 301, 45, 1),    # one key tile buffer, as on an A100
-    ("attn_prefill_tc", (8, 8, 32), 70, 9, 1),
+PRECISION = {"attn_prefill_f16": "f16", "attn_prefill_tc": "tf32", "attn_prefill": "f32"}
+
+
+@pytest.mark.parametrize("kernel,heads,pos0,n,bufs", [
+    (tc, *c, None) for tc in ("attn_prefill_f16", "attn_prefill_tc") for c in CASES] + [
+    (tc, (32, 4, 128), 301, 45, 1) for tc in ("attn_prefill_f16", "attn_prefill_tc")] + [  # one key tile buffer, as on an A100
+    (tc, (8, 8, 32), 70, 9, 1) for tc in ("attn_prefill_f16", "attn_prefill_tc")] + [
+    ("attn_prefill_f16", (6, 3, 48), 130, 33, None),  # a width of 16s, not of 32s: only f16
+    ("attn_prefill_f16", (12, 2, 80), 64, 70, 1),     # groups of 6, a 64-key boundary at the start
 ] + [
     ("attn_prefill", *c, None) for c in CASES + [
         ((64, 4, 128), 33, 19),  # 16 query heads a group (Qwen3-235B): only the FMA kernel
         ((6, 3, 36), 5, 40),     # head width a multiple of 4, not of 32
     ]])
 def test_attn_prefill_matches_its_references(kernel, heads, pos0, n, bufs):
-    """attn_prefill against float64 (2e-5); attn_prefill_tc against an emulation of its tf32
-    rounding (median and max, below) and against float64 within the design's NMSE bar. Rows poisoned before
-    the launch, the same bits on a second launch."""
+    """attn_prefill against float64 (2e-5); the tensor-core kernels against an emulation of
+    their rounding (median and max, below) and against float64 within the design's NMSE bar.
+    Rows poisoned before the launch, the same bits on a second launch."""
     import cupy as cp
 
     from moeforge.runtime.backend_cuda import CudaBackend
     hp = _hp(*heads)
     B = CudaBackend(hp)
-    B.attn_tensor_cores = kernel == "attn_prefill_tc"
+    B.attn_precision = PRECISION[kernel]
     B.attn_tile_buffers = bufs
     info = B._device()
-    if kernel_for(hp, info["cc"], B.attn_tensor_cores, info["smem_per_block_optin"]) != kernel:
+    if kernel_for(hp, info["cc"], B.attn_precision, info["smem_per_block_optin"]) != kernel:
         pytest.skip(f"{kernel} does not run here (tensor cores need sm_80)")
     rng = np.random.default_rng()
     ctx = pos0 + n + 7
@@ -85,16 +91,17 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n, bufs):
         assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"max abs error {err:.2e}"
         return
     # the cache beyond the prompt's positions is never read: the emulation sees up to pos0 + n
-    emul = attention_tf32(q, kc, vc, hp, pos0)
-    # Not bit for bit: a probability within float32 noise of a tf32 rounding boundary can round
+    emul = attention_tc(q, kc, vc, hp, pos0, PRECISION[kernel])
+    # Not bit for bit: a probability within float32 noise of a rounding boundary (10-bit
+    # mantissas in both precisions) can round
     # the other way in the kernel (its sums and exp2 are float32), moving its row by up to 2^-11
     # of that probability times v. So: typical elements at float32 noise (the wrong rounding
     # mode on one operand puts the median near 1e-4), and no element off by more than a few
     # such flips.
     err = np.abs(got - emul)
     median = np.median(err) / max(1.0, np.abs(emul).max())
-    assert median < 1e-6, f"median error {median:.2e} (relative) against the tf32 emulation"
-    assert err.max() < 2.0 ** -9 * np.abs(vc).max(), f"max abs error {err.max():.2e} against the tf32 emulation"
+    assert median < 1e-6, f"median error {median:.2e} (relative) against the emulation"
+    assert err.max() < 2.0 ** -9 * np.abs(vc).max(), f"max abs error {err.max():.2e} against the emulation"
     nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
     assert nmse < 5e-4, f"NMSE {nmse:.2e} against float64"
 
@@ -157,10 +164,12 @@ def test_prompt_graph_recaptured_when_the_cache_changes(parity_models):
 
 
 def test_float_models_keep_float32_prompt_attention(parity_models):
-    """tf32 tensor cores only where the attention weights are quantized (their q8_1
-    activations already cost more precision than tf32 does)."""
-    assert load_model(parity_models["q4_0"]["path"], backend="cuda").backend.attn_tensor_cores
-    assert not load_model(parity_models["f32"]["path"], backend="cuda").backend.attn_tensor_cores
+    """f16 tensor cores by default only where the attention weights are quantized (their q8_1
+    activations already cost more precision than f16 does); the model may ask for another."""
+    assert load_model(parity_models["q4_0"]["path"], backend="cuda").backend.attn_precision == "f16"
+    assert load_model(parity_models["f32"]["path"], backend="cuda").backend.attn_precision == "f32"
+    assert load_model(parity_models["q4_0"]["path"], backend="cuda",
+                      attn_precision="tf32").backend.attn_precision == "tf32"
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q8_0"])
