@@ -63,10 +63,18 @@ MMF_TILES = ((64, 128, 8, 4, 3), (128, 128, 4, 4, 2), (32, 128, 4, 8, 3), (32, 2
              (64, 256, 8, 4, 3))
 
 
+# Dense products of few tiles split k over this many blocks a tile (the wide tile: the
+# runtime's rule, runtime.dispatch.mmf_dense_splits; the 64-token one: for the tuner).
+MMF_SPLITS = (2, 3, 4)
+MMF_SPLIT_TILES = ((128, 128, 4, 4, 2), (64, 128, 8, 4, 3))
+
+
 def mmf_specs(q: QuantType) -> list[MmfSpec]:
     if q.name not in MmfSpec.QTYPES:
         return []
-    return [MmfSpec(q.name, x, y, w, kb, st, ids=ids) for ids in (True, False) for x, y, w, kb, st in MMF_TILES]
+    out = [MmfSpec(q.name, x, y, w, kb, st, ids=ids) for ids in (True, False) for x, y, w, kb, st in MMF_TILES]
+    out += [MmfSpec(q.name, *t, ids=False, splits=s) for t in MMF_SPLIT_TILES for s in MMF_SPLITS]
+    return out
 
 
 def all_specs(types: list[QuantType]) -> list[KernelSpec]:

@@ -341,6 +341,7 @@ class MmfSpec(KernelSpec):
     stages: int = 3
     ids: bool = True
     wn: int = 1          # warps along the tile's tokens (the others split its rows)
+    splits: int = 1      # blocks sharing an output tile's k (partials summed in order by mmf_split_sum)
     QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
 
@@ -352,7 +353,8 @@ class MmfSpec(KernelSpec):
     def name(self) -> str:
         fam = "mmf_id" if self.ids else "mmf"
         wn = f"n{self.wn}" if self.wn > 1 else ""
-        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}{wn}k{self.kblocks}s{self.stages}"
+        sk = f"-k{self.splits}" if self.splits > 1 else ""
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}{wn}k{self.kblocks}s{self.stages}{sk}"
 
     @property
     def threads(self) -> int:
@@ -371,6 +373,8 @@ class MmfSpec(KernelSpec):
             raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
         if self.stages not in (2, 3, 4):
             raise ValueError(f"{self.name}: stages must be 2, 3 or 4")
+        if self.splits not in (1, 2, 3, 4):
+            raise ValueError(f"{self.name}: splits must be 1 to 4")
 
     # One pipeline stage: weight quants (rows padded by 16 bytes: the 8 rows a warp reads
     # at once fall in different banks), weight scales, then x in f16 (rows padded by 32

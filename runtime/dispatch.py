@@ -114,9 +114,8 @@ def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool | 
 # The f16 tensor-core path where it was measured to win on the H100 (mmf_choice).
 # MOEFORGE_MMF=0 turns it off (the int8 tiles of the profile or the defaults run).
 MMF_MIN_DENSE_TOKENS = 512
-MMF_WIDE_TILE_TOKENS = 2048
-MMF_TILE = (64, 128, 8, 4, 3)        # x, y, warps, kblocks, stages
-MMF_WIDE_TILE = (128, 128, 4, 4, 2)
+MMF_WIDE_TILE = (128, 128, 4, 4, 2)   # x, y, warps, kblocks, stages
+MMF_MAX_SPLITS = 4
 MMF_MIN_TOKENS_PER_EXPERT = 256
 MMF_CC_MAJOR = (9,)
 
@@ -129,14 +128,37 @@ def _device_cc_major() -> int | None:
     return int(device_info(cp.cuda.Device().id)["cc"].split(".")[0])
 
 
-def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None) -> Choice | None:
+def _device_sm_count() -> int:
+    """The current device's; without a GPU an H100's (where the rule's tiles were measured),
+    so that the tuner's seeds can be listed on a CPU."""
+    from .device import device_info, has_gpu
+    if not has_gpu():
+        return 132
+    import cupy as cp
+    return device_info(cp.cuda.Device().id)["sm_count"]
+
+
+def mmf_dense_splits(n: int, m: int, sm_count: int) -> int:
+    """Blocks sharing each wide tile's k, so that a dense product fills two blocks an SM:
+    with fewer tiles than that the blocks are few and long, and latency-bound (ncu, H100,
+    2048x4096 at 512 tokens with 64-token tiles: 128 blocks, two warps a scheduler, 43% of
+    issue slots)."""
+    tiles = -(-n // MMF_WIDE_TILE[0]) * -(-m // MMF_WIDE_TILE[1])
+    return max(1, min(MMF_MAX_SPLITS, 2 * sm_count // tiles))
+
+
+def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | None = None) -> Choice | None:
     """The f16 tiles in place of any int8 choice, profile or default, where they won every
     measured case: on sm_90 (f16 mma.sync runs at half the int8 rate there, but MMQ spends
     ~27 issued instructions per int8 mma on per-block scale arithmetic and never gets near
     that rate), dense products from 512 tokens and expert products from 256 tokens an
-    expert. Dense: 64-token tiles of 8 warps below 2048 tokens (128-token tiles leave SMs
-    idle on 2048-row weights there), 128-token tiles from 2048; experts: 128-token tiles.
-    H100, hot, against the shipped profile's tiles (BENCHMARKS.md): q4_0 dense 5120x2048
+    expert. Tiles of 128 tokens; a dense product with fewer than two tiles an SM splits k
+    over up to 4 blocks a tile (mmf_dense_splits; m None: no split). H100, hot, against the
+    64-token tiles of 8 warps this rule chose below 2048 tokens before (BENCHMARKS.md):
+    q4_0 2048x4096 n=512 53.5 -> 45.9 us, n=256 42.7 -> 29.0, n=1024 89.2 -> 83.3, 5120x2048
+    n=512 69.2 -> 67.9, 4096x2048 45.2 -> 46.2; q8_0 55.7 -> 49.1, 46.4 -> 30.5, 111.0 ->
+    87.5, 82.0 -> 69.8, 54.4 -> 47.4. Earlier, against the shipped profile's int8 tiles:
+    q4_0 dense 5120x2048
     n=512 73.1 -> 67.0 us, 2048x4096 65.6 -> 52.2, n=2048 241.1 -> 174.7 and 212.4 -> 141.0;
     q8_0 87.6 -> 81.9, 73.7 -> 54.7, 285.6 -> 180.3, 241.6 -> 147.9; Qwen3 experts at
     n=4096 (256 an expert) q4_0 gate 699.4 -> 574.0, down 789.5 -> 607.2, q8_0 963.6 ->
@@ -151,8 +173,16 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None) -> Choice | 
         return None
     if _device_cc_major() not in MMF_CC_MAJOR:
         return None
-    tile = MMF_WIDE_TILE if ids or n >= MMF_WIDE_TILE_TOKENS else MMF_TILE
-    return Choice("mmf_id" if ids else "mmf", MmfSpec(qtype, *tile, ids=ids), "rule")
+    return Choice("mmf_id" if ids else "mmf", mmf_rule_spec(qtype, n, ids, m, _device_sm_count), "rule")
+
+
+def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count) -> MmfSpec:
+    """The rule's tile (sm_count: the SM count, or a function giving it, asked only where a
+    dense product may split)."""
+    splits = 1
+    if not ids and m is not None:
+        splits = mmf_dense_splits(n, m, sm_count() if callable(sm_count) else sm_count)
+    return MmfSpec(qtype, *MMF_WIDE_TILE, ids=ids, splits=splits)
 
 
 def _measured_f16(found: Choice | None) -> bool:
@@ -181,7 +211,7 @@ def choose_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:
     from .profiles_hook import lookup
     found = lookup("mul_mat", qtype, (1, 1, m, k), n)
     if not _measured_f16(found):
-        rule = mmf_choice(qtype, n, None)
+        rule = mmf_choice(qtype, n, None, m)
         if rule is not None:
             return rule
     return found if found is not None else default_mul_mat(qtype, m, k, n)

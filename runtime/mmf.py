@@ -37,7 +37,13 @@ def run_mmf(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, out, glu: bool 
         n_dense = x2d.shape[0]
         max_tiles = -(-n_dense // spec.x)
     ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
-    grid = max_tiles * -(-m // spec.y)
-    load(spec)((grid,), (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), xh, out, ptr(rows), ptr(tiles),
-                         ptr(ntt), _i32(m), _i32(w.nb), _i32(w.meta_stride), _i32(kp), _i32(x_div),
-                         _i32(n_dense)))
+    grid = max_tiles * -(-m // spec.y) * spec.splits
+    args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), xh, out, ptr(rows), ptr(tiles), ptr(ntt), _i32(m),
+            _i32(w.nb), _i32(w.meta_stride), _i32(kp), _i32(x_div), _i32(n_dense))
+    if spec.splits == 1:
+        load(spec)((grid,), args)
+        return
+    # every output is written by one tile in each split: splits partial copies, summed in order
+    part = WORKSPACE.get("mmf_split", spec.splits * out.size * 4, np.float32)
+    load(spec)((grid,), args[:3] + (part,) + args[4:] + (np.int64(out.size),))
+    load(spec, "mmf_split_sum")(grid_1d(out.size), (part, out, np.int64(out.size)), block=256, smem=0)

@@ -115,7 +115,8 @@ def knobs(choice: Choice) -> dict:
         return {"tokens": s.tokens, "warps": s.warps, "rows": s.rows, "per_pair": s.per_pair,
                 "prequant": s.prequant, "guess": s.guess}
     if isinstance(s, MmfSpec):
-        return {"x": s.x, "yw": f"y{s.y}w{s.warps}n{s.wn}", "kblocks": s.kblocks, "stages": s.stages}
+        return {"x": s.x, "yw": f"y{s.y}w{s.warps}n{s.wn}", "kblocks": s.kblocks, "stages": s.stages,
+                "splits": s.splits}
     return {"x": s.x, "yw": f"y{s.y}w{s.warps}", "kblocks": s.kblocks, "stages": s.stages,
             "stream_k": s.stream_k}
 
@@ -265,8 +266,7 @@ def seeds(space: Space) -> list[Choice]:
             spec = dispatch.default_mmvq(k.qtype, k.n, ids=k.op == "mul_mat_id")
         elif path in F16_PATHS:
             ids = path == "mmf_id"
-            spec = MmfSpec(k.qtype, *(dispatch.MMF_WIDE_TILE if ids or k.n >= dispatch.MMF_WIDE_TILE_TOKENS
-                                      else dispatch.MMF_TILE), ids=ids)
+            spec = dispatch.mmf_rule_spec(k.qtype, k.n, ids, None if ids else k.shape[2], dispatch._device_sm_count)
         else:
             t = k.tokens_per_expert if path != "mmq" else k.n
             spec = dispatch.default_mmq(k.qtype, t, ids=path == "mmq_id")

@@ -53,9 +53,16 @@ def test_f16_emulation_is_closer_to_float64_than_q8_1(rng, qtype):
 def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     from moeforge.runtime import dispatch
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    monkeypatch.setattr(dispatch, "_device_sm_count", lambda: 132)
     monkeypatch.delenv("MOEFORGE_MMF", raising=False)
     dense = dispatch.choose_mul_mat("q4_0", 5120, 2048, 512)
-    assert dense.path == "mmf" and dense.source == "rule" and not dense.spec.ids and dense.spec.x == 64
+    assert dense.path == "mmf" and dense.source == "rule" and not dense.spec.ids and dense.spec.x == 128
+    assert dense.spec.splits == 1                                          # 160 tiles: enough blocks
+    assert dispatch.choose_mul_mat("q4_0", 2048, 4096, 512).spec.splits == 4     # 64 tiles
+    assert dispatch.choose_mul_mat("q4_0", 4096, 2048, 512).spec.splits == 2     # 128
+    assert dispatch.choose_mul_mat("q8_0", 2048, 4096, 2048).spec.splits == 1    # 256
+    monkeypatch.setattr(dispatch, "_device_sm_count", lambda: 64)
+    assert dispatch.choose_mul_mat("q4_0", 2048, 4096, 512).spec.splits == 2     # a smaller card
     assert dispatch.choose_mul_mat("q8_0", 2048, 4096, 2048).spec.x == 128
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 511).path != "mmf"
     moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
@@ -77,10 +84,20 @@ def test_the_rules_tiles_are_generated(monkeypatch):
     from moeforge.runtime import dispatch
     built = set(all_specs(parse_types("all")))
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
-    for qtype in MmfSpec.QTYPES:
-        for n, tpe in ((512, None), (4096, None), (4096, 256.0), (8192, 1024.0)):
-            c = dispatch.mmf_choice(qtype, n, tpe)
-            assert c is not None and c.spec in built, c
+    for sms in (132, 114, 78, 46):      # H100 SXM, H100 PCIe, an L40S-sized and a small card
+        monkeypatch.setattr(dispatch, "_device_sm_count", lambda: sms)
+        for qtype in MmfSpec.QTYPES:
+            for n, tpe, m in ((512, None, 2048), (512, None, 512), (512, None, 5120), (4096, None, 2048),
+                              (4096, 256.0, None), (8192, 1024.0, None)):
+                c = dispatch.mmf_choice(qtype, n, tpe, m)
+                assert c is not None and c.spec in built, c
+
+
+def test_dense_split_counts():
+    from moeforge.runtime.dispatch import mmf_dense_splits
+    assert [mmf_dense_splits(n, 2048, 132) for n in (128, 256, 512, 1024, 2048, 4096)] == [4, 4, 4, 2, 1, 1]
+    assert mmf_dense_splits(512, 151936, 132) == 1                   # a vocabulary head: tiles enough
+    assert mmf_dense_splits(512, 2048, 16) == 1
 
 
 def test_a_tuned_entry_that_timed_the_f16_path_stands_over_the_rule(monkeypatch):
@@ -103,3 +120,16 @@ def test_bench_paths_include_the_f16_tiles_past_decode_sizes():
     assert "mmf_id" not in [c.path for c in _choices("all", "q4_0", qwen, 4)]
     with pytest.raises(ValueError, match="unknown expert-product path 'mmf'"):
         _choices("mmf", "q4_0", qwen, 512)
+
+
+def test_split_k_is_a_named_gated_form():
+    """splits=1 renders the kernel every profile entry was tuned with; a split form names its
+    splits, takes the stride of its partial copies and brings the in-order sum."""
+    from moeforge.codegen.render import render
+    plain, split = MmfSpec("q4_0", 128, 128, 4, 4, 2, ids=False), MmfSpec("q4_0", 128, 128, 4, 4, 2, ids=False, splits=3)
+    assert split.name == "mmf-q4_0-x128y128w4k4s2-k3" and plain.name == "mmf-q4_0-x128y128w4k4s2"
+    a, b = render(plain), render(split)
+    assert "split_stride" not in a and "mmf_split_sum" not in a
+    assert "long long split_stride)" in b and "mmf_split_sum(" in b and "#define SPLITS 3" in b
+    with pytest.raises(ValueError, match="splits must be 1 to 4"):
+        MmfSpec("q4_0", 128, 128, 4, 4, 2, ids=False, splits=5).check()

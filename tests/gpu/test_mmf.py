@@ -10,15 +10,16 @@ pytestmark = pytest.mark.gpu
 NMSE_FLOAT = 5e-4      # ggml's bar
 NMSE_EMULATED = 1e-10  # the emulation differs by float32 accumulation only
 
-SPECS = [  # (x, y, warps, kblocks, stages, warps along the tokens)
+SPECS = [  # (x, y, warps, kblocks, stages, warps along the tokens, blocks sharing a tile's k)
     (64, 128, 4, 4, 3, 1), (32, 128, 4, 8, 2, 1), (128, 128, 8, 4, 3, 1), (16, 64, 4, 16, 4, 1), (8, 96, 2, 2, 2, 1),
     (64, 128, 8, 4, 3, 2), (128, 256, 8, 4, 2, 2), (32, 64, 4, 8, 3, 4),
+    (128, 128, 4, 4, 2, 1, 4), (64, 128, 8, 4, 3, 1, 2), (32, 64, 4, 8, 3, 2, 3),
 ]
 
 
-def _spec(qtype, ids, x, y, warps, kblocks, stages, wn=1):
+def _spec(qtype, ids, x, y, warps, kblocks, stages, wn=1, splits=1):
     from moeforge.codegen.spec import MmfSpec
-    return MmfSpec(qtype, x=x, y=y, warps=warps, kblocks=kblocks, stages=stages, ids=ids, wn=wn)
+    return MmfSpec(qtype, x=x, y=y, warps=warps, kblocks=kblocks, stages=stages, ids=ids, wn=wn, splits=splits)
 
 
 def _ids(rng, n, E, top_k, skew):
@@ -77,10 +78,14 @@ def test_mul_mat(rng, qtype, spec_i, m, k, n):
     raw = ref.random_blocks(qtype, m, k, rng)
     w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
     x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0)).astype(np.float32)
-    out = cp.full((n, m), np.nan, dtype=cp.float32)
-    ops.run_mul_mat(w, cp.asarray(x), out, Choice("mmf", _spec(qtype, False, *SPECS[spec_i])))
+    outs = []
+    for _ in range(2):
+        out = cp.full((n, m), np.nan, dtype=cp.float32)   # poisoned: every entry must be written
+        ops.run_mul_mat(w, cp.asarray(x), out, Choice("mmf", _spec(qtype, False, *SPECS[spec_i])))
+        outs.append(out.get())
+    np.testing.assert_array_equal(outs[0], outs[1])       # split partials summed in order: the same bits
     ids = np.zeros((n, 1), dtype=np.int32)
-    _compare(out.get(), ref.mul_mat_id_emulated_f16(raw, qtype, (1, m, k), x, ids)[:, 0],
+    _compare(outs[0], ref.mul_mat_id_emulated_f16(raw, qtype, (1, m, k), x, ids)[:, 0],
              ref.mul_mat_float(ref.dequantize(raw, qtype, (m, k)), x))
 
 
