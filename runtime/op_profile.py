@@ -229,4 +229,7 @@ def format_profile(p: Profile, title: str) -> str:
     if abs(rest) > 0.005 * total:
         out.append(f"{'(not attributed)':<26} {'':>6} {'':>9} {rest:>10.1f} {100 * rest / total:>6.1f}%")
     out.append(f"{'whole pass':<26} {sum(r.calls for r in p.rows):>6} {'':>9} {p.total_us:>10.1f}")
+    if p.method.startswith("CUDA graph"):
+        out.append("(a removed op also leaves later ops other data to read, the residual stream and the next "
+                   "layer's routing among them: small rows carry that noise, large rows and the whole pass do not)")
     return "\n".join(out)

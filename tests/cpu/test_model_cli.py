@@ -102,3 +102,12 @@ def test_profile_of_one_forward_pass(tiny, capsys, tmp_path):
         assert by["matmul logits"]["calls"] == 1 and by["route"]["calls"] == 2
         assert "expert_gate_up act" not in by and by["swiglu_split act"]["calls"] == 2
         assert all(r["total_us"] > 0 for r in rows)
+
+
+def test_profile_by_removal_says_how_far_its_rows_go():
+    from moeforge.runtime.op_profile import OpRow, Profile, format_profile
+    rows = [OpRow("matmul qkv", 48, 3000.0), OpRow("embed x", 1, -3.0)]
+    removal = format_profile(Profile(rows, 3100.0, "CUDA graph of the pass, each row the time saved"), "t")
+    clock = format_profile(Profile(rows, 3100.0, "host clock per call"), "t")
+    assert "small rows carry that noise" in removal.splitlines()[-1]
+    assert "noise" not in clock and clock.splitlines()[-1].startswith("whole pass")
