@@ -133,3 +133,23 @@ def test_split_k_is_a_named_gated_form():
     assert "long long split_stride)" in b and "mmf_split_sum(" in b and "#define SPLITS 3" in b
     with pytest.raises(ValueError, match="splits must be 1 to 4"):
         MmfSpec("q4_0", 128, 128, 4, 4, 2, ids=False, splits=5).check()
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_split_k_chunks_cover_k_once(splits):
+    """The k-chunk runs of the splits, as the rendered kernel computes them, cover every chunk
+    of every row exactly once, in order (a split may get none: k of one chunk)."""
+    import re
+    from moeforge.codegen.render import render
+    src = render(MmfSpec("q8_0", 128, 128, 4, 4, 2, ids=False, splits=splits))
+    m = re.search(r"const int kc0 = (.+?), I = (.+?) - kc0;", src)
+    assert m and "#define SPLITS %d" % splits in src
+    for chunks in range(1, 70):
+        covered = []
+        for split in range(splits):
+            env = dict(split=split, chunks=chunks, SPLITS=splits)
+            kc0 = eval(m.group(1).replace("/", "//"), {}, env)          # noqa: S307 - int division, as in C
+            count = eval(m.group(2).replace("/", "//"), {}, env) - kc0  # noqa: S307
+            assert count >= 0
+            covered += range(kc0, kc0 + count)
+        assert covered == list(range(chunks)), (chunks, covered)
