@@ -144,8 +144,8 @@ class NumpyBackend(Backend):
         weights = super().upload(refs, progress)
         # numerics="kernel" follows the GPU's prompt attention onto tensor cores where it goes
         # there (on an sm_80+ card, the generations moeforge builds for: codegen.compile.ARCHS)
-        kernel = prompt_attention.kernel_for(self.hp, "8.0", self.attn_precision)
-        self.attn_tc = self.attn_precision if self.numerics == "kernel" and kernel in prompt_attention.TENSOR_CORE.values() else None
+        on_tc = prompt_attention.kernel_for(self.hp, "8.0", self.attn_precision) in prompt_attention.TENSOR_CORE.values()
+        self.attn_tc = self.attn_precision if self.numerics == "kernel" and on_tc else None
         return weights
 
     def attention(self, cache, il, q, pos, pos0, n, name):

@@ -173,15 +173,12 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
         return None
     if _device_cc_major() not in MMF_CC_MAJOR:
         return None
-    return Choice("mmf_id" if ids else "mmf", mmf_rule_spec(qtype, n, ids, m, _device_sm_count), "rule")
+    return Choice("mmf_id" if ids else "mmf", mmf_rule_spec(qtype, n, ids, m, _device_sm_count()), "rule")
 
 
-def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count) -> MmfSpec:
-    """The rule's tile (sm_count: the SM count, or a function giving it, asked only where a
-    dense product may split)."""
-    splits = 1
-    if not ids and m is not None:
-        splits = mmf_dense_splits(n, m, sm_count() if callable(sm_count) else sm_count)
+def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int) -> MmfSpec:
+    """The rule's tile on a card of sm_count SMs (a dense product of m rows may split k)."""
+    splits = mmf_dense_splits(n, m, sm_count) if not ids and m is not None else 1
     return MmfSpec(qtype, *MMF_WIDE_TILE, ids=ids, splits=splits)
 
 
