@@ -76,7 +76,7 @@ class ModelSpec(KernelSpec):
     family: ClassVar[str] = "model"
     template: ClassVar[str] = "model.cu.j2"
     max_experts: int = 512      # routing holds a token's logits in registers, 32 lanes wide
-    max_head_dim: int = 256     # decode attention stages one query head in shared memory
+    max_head_dim: int = 256     # the widest head the backend takes (at most the widest decode attention)
     DENSE_TILE: ClassVar[int] = 64     # dense_f32_tiled: rows and tokens of a tile
     DENSE_STEP: ClassVar[int] = 16     # its k of a step (a split of k is a multiple of it)
 
@@ -87,11 +87,28 @@ class ModelSpec(KernelSpec):
     def check(self) -> None:
         if self.max_experts % 32 or self.max_experts <= 0:
             raise ValueError(f"{self.name}: max_experts must be a positive multiple of 32")
-        if self.max_head_dim <= 0:
-            raise ValueError(f"{self.name}: max_head_dim must be positive")
+        if not 0 < self.max_head_dim <= self.DECODE_WIDTHS[-1]:
+            raise ValueError(f"{self.name}: max_head_dim must be positive and at most {self.DECODE_WIDTHS[-1]} "
+                             "(the widest decode attention)")
+
+    # decode attention holds a head in registers, a variant per width (attn_decode.cuh.j2)
+    DECODE_WIDTHS: ClassVar[tuple[int, ...]] = (64, 128, 256)
+
+    @property
+    def decode_widths(self) -> tuple[int, ...]:
+        return self.DECODE_WIDTHS
+
+    @staticmethod
+    def decode_kernel(head_dim: int) -> str:
+        """The decode attention variant for heads of head_dim (the narrowest that holds them)."""
+        width = next((w for w in ModelSpec.DECODE_WIDTHS if head_dim <= w), None)
+        if width is None:
+            raise ValueError(f"head_dim {head_dim}: decode attention takes heads of up to {ModelSpec.DECODE_WIDTHS[-1]}")
+        return f"attn_decode_h{width}"
 
     KERNELS: ClassVar[tuple[str, ...]] = (
-        "get_rows_q4_0", "get_rows_q8_0", "rms_norm", "rope_neox", "kv_store", "attn_decode",
+        "get_rows_q4_0", "get_rows_q8_0", "rms_norm", "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128",
+        "attn_decode_h256",
         "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route",
         "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
         "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_f16",

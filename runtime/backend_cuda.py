@@ -222,15 +222,14 @@ class CudaBackend(CudaMoeOps, Backend):
         scale = 1.0 / math.sqrt(hp.head_dim)
         if n == 1:   # the decode step: the number of cached positions is read on the device
             out = self.ws(name, (1, hp.q_dim))
-            scores = self.ws("scores", (hp.n_head, cache.n_ctx))
             pend, self._pending_qk = self._pending_qk, None
             if pend is not None and pend[0] == q.data.ptr:
                 fused = (*pend[1:], _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)))
             else:
                 fused = (_NULL, _NULL, _NULL, _NULL, _f32(0.0), _f32(0.0))
-            self.kernel("attn_decode")((hp.n_head,), (1024,), (
-                q, kc, vc, pos, out, scores, _i32(cache.n_ctx), _i32(hp.n_head), _i32(hp.n_head_kv),
-                _i32(hp.head_dim), _f32(scale), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
+            self.kernel(ModelSpec.decode_kernel(hp.head_dim))((hp.n_head,), (512,), (
+                q, kc, vc, pos, out, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
+                _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
             return out
         info = self._device()
         kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"])

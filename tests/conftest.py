@@ -86,3 +86,24 @@ def kl_per_token(ref, got):
         return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
     lp, lq = logp(ref), logp(got)
     return (np.exp(lp) * (lp - lq)).sum(axis=-1)
+
+
+def attn_hparams(n_head, n_head_kv, head_dim):
+    """A small model's hyperparameters with the given heads (for attention alone)."""
+    from moeforge.runtime.arch_qwen3moe import HParams
+    return HParams(n_vocab=32, n_embd=64, n_layer=2, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+                   n_ff_exp=64, n_expert=8, n_expert_used=2, rms_eps=1e-6, rope_base=1e6, n_ctx_train=4096)
+
+
+def attention64(q, kc, vc, pos, hp):
+    """Causal grouped-query attention in float64: query t sees cached positions <= pos[t]."""
+    n, g, hd = q.shape[0], hp.n_head // hp.n_head_kv, hp.head_dim
+    out = np.empty((n, hp.q_dim))
+    for t in range(n):
+        L = pos[t] + 1
+        for h in range(hp.n_head):
+            kvh = h // g
+            s = kc[:L, kvh * hd:(kvh + 1) * hd] @ q[t, h * hd:(h + 1) * hd] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ vc[:L, kvh * hd:(kvh + 1) * hd]
+    return out

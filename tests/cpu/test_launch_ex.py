@@ -86,16 +86,23 @@ def test_every_model_kernel_waits_before_it_touches_memory():
     assert set(bodies) == set(ModelSpec.KERNELS)
     # these request constant model weights (norm weights, the router), or the KV cache
     # of earlier steps, before the wait
-    prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route", "attn_decode"}
+    decode = {n for n in bodies if n.startswith("attn_decode_h")}
+    assert len(decode) == len(ModelSpec.DECODE_WIDTHS)
+    prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route"} | decode
+    rows = render(ModelSpec())
+    src_helper = rows[rows.index("void attn_rows("):]
+    src_helper = src_helper[:src_helper.index("\n}\n")]
+    assert "t < lim" in src_helper            # rows at lim and past it are zeros, never read
     for name, body in bodies.items():
         pre = body[1:body.index("pdl_enter();")]
         if name not in prefetching:
             assert pre.strip() == "", f"{name} starts with {pre.strip()[:60]!r}"
             continue
-        if name == "attn_decode":
+        if name in decode:
             # the position and the cache rows before it (earlier steps wrote them), never q
             # or the current position's row (the kernel just before writes those)
-            assert "n_kv - 1 ?" in pre and "t < n_kv - 1" in pre and "q[" not in pre, name
+            assert "cur = n_kv - 1" in pre and "attn_rows<U, P, NW>(kc, vc, 0, cur," in pre, name
+            assert "q[" not in pre and "k_new" not in pre.split(")", 1)[1], name
             continue
         assert "w" in pre, name
         for touched in ("x[", "xr", "yr", "yt", "xt[", "x4", "out", "logits", "ids", "wts", "counter",

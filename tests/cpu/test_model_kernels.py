@@ -25,6 +25,22 @@ def test_every_kernel_is_listed():
 
 def test_the_limits_size_the_kernels():
     src = render(ModelSpec(max_experts=256, max_head_dim=128))
-    assert "#define ROUTE_SLOTS (256 / 32)" in src and "__shared__ float qs[128];" in src
+    assert "#define ROUTE_SLOTS (256 / 32)" in src
     with pytest.raises(ValueError, match="multiple of 32"):
         ModelSpec(max_experts=100).check()
+    with pytest.raises(ValueError, match="widest decode attention"):
+        ModelSpec(max_head_dim=512).check()
+
+
+def test_decode_attention_takes_the_narrowest_variant_that_holds_the_head():
+    assert [ModelSpec.decode_kernel(hd) for hd in (32, 64, 66, 128, 200, 256)] == [
+        "attn_decode_h64", "attn_decode_h64", "attn_decode_h128", "attn_decode_h128", "attn_decode_h256",
+        "attn_decode_h256"]
+    with pytest.raises(ValueError, match="head_dim 258"):
+        ModelSpec.decode_kernel(258)
+    # each variant's shared memory holds a warp's partial output for its width, lanes
+    # holding width/64 rotation pairs
+    src = render(ModelSpec())
+    for w in ModelSpec.DECODE_WIDTHS:
+        body = src[src.index(f"attn_decode_h{w}("):]
+        assert f"wacc[NW][{w}]" in body[:2000] and f"constexpr int P = {w // 64}," in body[:2000]

@@ -5,31 +5,13 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import attention64 as _attention64
+from conftest import attn_hparams as _hp
 
-from moeforge.runtime.arch_qwen3moe import HParams
 from moeforge.runtime.model import load_model
 from moeforge.runtime.prompt_attention import attention_tc, kernel_for
 
 pytestmark = pytest.mark.gpu
-
-
-def _hp(n_head, n_head_kv, head_dim):
-    return HParams(n_vocab=32, n_embd=64, n_layer=2, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
-                   n_ff_exp=64, n_expert=8, n_expert_used=2, rms_eps=1e-6, rope_base=1e6, n_ctx_train=4096)
-
-
-def _attention64(q, kc, vc, pos, hp):
-    """Causal grouped-query attention in float64: query t sees cached positions <= pos[t]."""
-    n, g, hd = q.shape[0], hp.n_head // hp.n_head_kv, hp.head_dim
-    out = np.empty((n, hp.q_dim))
-    for t in range(n):
-        L = pos[t] + 1
-        for h in range(hp.n_head):
-            kvh = h // g
-            s = kc[:L, kvh * hd:(kvh + 1) * hd] @ q[t, h * hd:(h + 1) * hd] / np.sqrt(hd)
-            p = np.exp(s - s.max())
-            out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ vc[:L, kvh * hd:(kvh + 1) * hd]
-    return out
 
 
 CASES = [

@@ -1,0 +1,99 @@
+"""Decode attention (one token over the KV cache, attn_decode.cuh.j2) on the GPU (pytest -m
+gpu): against float64 at every head width variant, contexts inside and past the rows it
+requests before its wait, and its own q/k norm, RoPE and KV store bit for bit the separate
+qk_norm_rope_store launch."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import attention64, attn_hparams
+
+from moeforge.codegen.spec import ModelSpec
+
+pytestmark = pytest.mark.gpu
+
+HEADS = [
+    (32, 4, 128),    # Qwen3-30B-A3B
+    (8, 8, 32),      # no grouping, half a lane's pair slot empty (the parity fixtures' width)
+    (16, 2, 64),
+    (6, 3, 80),      # the 128 variant with a partly filled second pair slot
+    (4, 1, 256),     # the widest variant: 4 positions a warp in a chunk
+]
+# 1 and 2: most warps without a position; 128/129: the 128 and 256 variants' first chunk
+# (before the wait) full and one past it; 700: chunks after it
+N_KV = [1, 2, 37, 128, 129, 700]
+
+
+def _setup(heads, n_kv, rng):
+    import cupy as cp
+
+    from moeforge.runtime.backend_cuda import CudaBackend
+    hp = attn_hparams(*heads)
+    B = CudaBackend(hp)
+    cache = B.new_cache(n_kv + 5)
+    il = 1
+    kc = rng.standard_normal((cache.n_ctx, hp.kv_dim)).astype(np.float32)
+    vc = rng.standard_normal((cache.n_ctx, hp.kv_dim)).astype(np.float32)
+    q = (2.0 * rng.standard_normal((1, hp.q_dim))).astype(np.float32)    # peaked rows too
+    pos = cp.asarray(np.array([n_kv - 1], dtype=np.int32))
+    return cp, hp, B, cache, il, kc, vc, q, pos
+
+
+@pytest.mark.parametrize("n_kv", N_KV)
+@pytest.mark.parametrize("heads", HEADS)
+def test_attn_decode_matches_float64(heads, n_kv, rng):
+    """q and the current row already in place (the separate q/k launch before it): float64
+    within 2e-5; the output poisoned before the launch, the same bits on a second launch."""
+    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    kc[n_kv:] = np.nan          # past the current position: never read
+    vc[n_kv:] = np.nan
+    with B.context():
+        cache.k[il].set(kc)
+        cache.v[il].set(vc)
+        B.ws("attn", (1, hp.q_dim)).fill(cp.nan)
+        got = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn").get()
+        again = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn").get()
+    exact = attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64),
+                        np.array([n_kv - 1]), hp)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, again)
+    err = np.abs(got - exact).max()
+    assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"{ModelSpec.decode_kernel(hp.head_dim)}: max abs error {err:.2e}"
+
+
+@pytest.mark.parametrize("n_kv", [1, 37, 129, 700])
+@pytest.mark.parametrize("heads", [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32)])
+def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, n_kv, rng):
+    """Fused (q, k and v straight from the projections): the output and the whole cache,
+    bit for bit, those of qk_norm_rope_store followed by the attention; the current row in
+    the cache is poisoned before the fused launch (it must come from the registers)."""
+    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    k = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
+    v = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
+    L = SimpleNamespace(q_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)),
+                        k_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)))
+    kc[n_kv - 1:] = np.nan
+    vc[n_kv - 1:] = np.nan
+    results = []
+    with B.context():
+        for fused in (False, True):
+            cache.k[il].set(kc)
+            cache.v[il].set(vc)
+            B.ws("attn", (1, hp.q_dim)).fill(cp.nan)
+            qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+            if fused:     # what qk_norm_rope_store_ leaves for the attention inside a decode step
+                B._pending_qk = (qd.data.ptr, kd, vd, L.q_norm, L.k_norm)
+            else:
+                B.qk_norm_rope_store_(cache, il, qd, kd, vd, L, pos, n_kv - 1)
+                q_rot = qd.get()
+            out = B.attention(cache, il, qd, pos, n_kv - 1, 1, "attn").get()
+            results.append((out, cache.k[il].get(), cache.v[il].get()))
+    (out0, k0, v0), (out1, k1, v1) = results
+    np.testing.assert_array_equal(out1, out0)
+    np.testing.assert_array_equal(k1, k0)
+    np.testing.assert_array_equal(v1, v0)
+    assert np.isfinite(k0[:n_kv]).all() and np.isfinite(v0[:n_kv]).all()
+    exact = attention64(q_rot.astype(np.float64), k0.astype(np.float64), v0.astype(np.float64),
+                        np.array([n_kv - 1]), hp)
+    err = np.abs(out0 - exact).max()
+    assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"max abs error {err:.2e}"
