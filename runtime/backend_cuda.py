@@ -27,6 +27,17 @@ from .tensor import QuantTensor
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 SMALL_N = 16    # float products up to this many tokens use dense_f32 (a warp per output), past it tiles
+ATTN_DECODE_THREADS = 512   # attn_decode.cuh.j2's ATTN_THREADS
+ATTN_DECODE_CHUNK = 128     # positions a block takes at a time (U * warps for heads up to 128)
+
+
+def decode_attn_splits(hp, n_ctx: int, sm_count: int) -> int:
+    """Blocks per query head of decode attention for a cache of n_ctx positions: one wave of
+    blocks (one fits an SM) once the context is long, never more than its chunks. The count
+    used at a step is min(this, the chunks the step's context fills), read on the device."""
+    return max(1, min(sm_count // hp.n_head, -(-n_ctx // ATTN_DECODE_CHUNK)))
+
+
 QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model_tokens.cuh.j2)
 
 
@@ -54,6 +65,8 @@ class CudaBackend(CudaMoeOps, Backend):
         self.graphs = PassGraphs(cp, self.stream)
         self._step_in = None
         self._counter = None
+        self._attn_counts = None     # decode attention's per-head counters (splits)
+        self._decode_attn_splits = None
         self._decoding = False       # inside decode_step: model kernels launch with PDL
         self.fuse_norm_q8 = True     # at decode the norms and attention also write q8_1 of their output
         self._q8 = None              # (output pointer, xq, xds, nbp) of the last such norm
@@ -67,6 +80,19 @@ class CudaBackend(CudaMoeOps, Backend):
 
     def context(self):
         return self.stream
+
+    @property
+    def decode_attn_splits(self) -> int | None:
+        """Decode attention's blocks per head: None for decode_attn_splits(), a number forces
+        it (A/B runs, tests). Setting it drops captured graphs (their launches hold the old)."""
+        return self._decode_attn_splits
+
+    @decode_attn_splits.setter
+    def decode_attn_splits(self, splits: int | None) -> None:
+        if splits is not None and splits < 1:
+            raise ValueError(f"decode_attn_splits must be at least 1, not {splits}")
+        self._decode_attn_splits = splits
+        self.generation += 1
 
     # -- plumbing -----------------------------------------------------------------------------
     def kernel(self, name: str):
@@ -227,9 +253,15 @@ class CudaBackend(CudaMoeOps, Backend):
                 fused = (*pend[1:], _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)))
             else:
                 fused = (_NULL, _NULL, _NULL, _NULL, _f32(0.0), _f32(0.0))
-            self.kernel(ModelSpec.decode_kernel(hp.head_dim))((hp.n_head,), (512,), (
+            splits = self.decode_attn_splits or decode_attn_splits(hp, cache.n_ctx, self._device()["sm_count"])
+            part = self.ws("attn_part", (hp.n_head * splits * (hp.head_dim + 2),))
+            if self._attn_counts is None or self._attn_counts.size < hp.n_head:
+                # zero once: the last block of each head resets its counter after use
+                self._attn_counts = self.cp.zeros(hp.n_head, dtype=self.cp.uint32)
+            self.kernel(ModelSpec.decode_kernel(hp.head_dim))((hp.n_head, splits), (ATTN_DECODE_THREADS,), (
                 q, kc, vc, pos, out, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
-                _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused))
+                _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused,
+                part, self._attn_counts, _i32(splits)))
             return out
         info = self._device()
         kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"])

@@ -101,7 +101,7 @@ def test_every_model_kernel_waits_before_it_touches_memory():
         if name in decode:
             # the position and the cache rows before it (earlier steps wrote them), never q
             # or the current position's row (the kernel just before writes those)
-            assert "cur = n_kv - 1" in pre and "attn_rows<U, P, NW>(kc, vc, 0, cur," in pre, name
+            assert "cur = n_kv - 1" in pre and "attn_rows<U, P, NW>(kc, vc, sp * CHUNK, cur," in pre, name
             assert "q[" not in pre and "k_new" not in pre.split(")", 1)[1], name
             continue
         assert "w" in pre, name

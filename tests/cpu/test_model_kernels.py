@@ -44,3 +44,21 @@ def test_decode_attention_takes_the_narrowest_variant_that_holds_the_head():
     for w in ModelSpec.DECODE_WIDTHS:
         body = src[src.index(f"attn_decode_h{w}("):]
         assert f"wacc[NW][{w}]" in body[:2000] and f"constexpr int P = {w // 64}," in body[:2000]
+
+
+def test_decode_attention_splits_fill_one_wave_once_the_context_is_long():
+    from conftest import attn_hparams
+
+    from moeforge.runtime.backend_cuda import ATTN_DECODE_CHUNK, decode_attn_splits
+    qwen, few = attn_hparams(32, 4, 128), attn_hparams(4, 2, 64)
+    assert decode_attn_splits(qwen, 100, 132) == 1                       # one chunk: one block a head
+    assert decode_attn_splits(qwen, 3 * ATTN_DECODE_CHUNK, 132) == 3      # never more than the chunks
+    assert decode_attn_splits(qwen, 4096, 132) == 4 and decode_attn_splits(qwen, 4096, 108) == 3
+    assert decode_attn_splits(few, 32768, 132) == 33
+    assert decode_attn_splits(attn_hparams(256, 8, 128), 4096, 132) == 1  # more heads than SMs
+    # the kernel deals chunks of U * warps positions; the backend's estimate assumes 128
+    src = render(ModelSpec())
+    assert "#define ATTN_THREADS 512" in src and "{% set U = 8" not in src
+    body = src[src.index("attn_decode_h128("):]
+    assert "constexpr int P = 2, U = 8, NW = ATTN_THREADS / 32, CHUNK = U * NW;" in body[:1500]
+    assert 8 * 512 // 32 == ATTN_DECODE_CHUNK

@@ -9,6 +9,7 @@ import pytest
 from conftest import attention64, attn_hparams
 
 from moeforge.codegen.spec import ModelSpec
+from moeforge.runtime.backend_cuda import ATTN_DECODE_CHUNK
 
 pytestmark = pytest.mark.gpu
 
@@ -17,10 +18,11 @@ HEADS = [
     (8, 8, 32),      # no grouping, half a lane's pair slot empty (the parity fixtures' width)
     (16, 2, 64),
     (6, 3, 80),      # the 128 variant with a partly filled second pair slot
-    (4, 1, 256),     # the widest variant: 4 positions a warp in a chunk
+    (4, 1, 256),     # the widest variant: 3 positions a warp in a chunk (48 a block)
 ]
-# 1 and 2: most warps without a position; 128/129: the 128 and 256 variants' first chunk
-# (before the wait) full and one past it; 700: chunks after it
+# 1 and 2: most warps without a position; 128/129: the 64 and 128 variants' first chunk
+# (before the wait) full and one past it; 700: more chunks than splits (each split's
+# blocks loop), the splits merged by the last block of each head
 N_KV = [1, 2, 37, 128, 129, 700]
 
 
@@ -39,12 +41,14 @@ def _setup(heads, n_kv, rng):
     return cp, hp, B, cache, il, kc, vc, q, pos
 
 
-@pytest.mark.parametrize("n_kv", N_KV)
+@pytest.mark.parametrize("n_kv,splits", [(n, None) for n in N_KV] + [(700, 1), (700, 3), (129, 2), (40, 5)])
 @pytest.mark.parametrize("heads", HEADS)
-def test_attn_decode_matches_float64(heads, n_kv, rng):
+def test_attn_decode_matches_float64(heads, n_kv, splits, rng):
     """q and the current row already in place (the separate q/k launch before it): float64
-    within 2e-5; the output poisoned before the launch, the same bits on a second launch."""
+    within 2e-5; the output poisoned before the launch, the same bits on a second launch,
+    every head's split counter back at zero. splits: forced (None: the backend's choice)."""
     cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    B.decode_attn_splits = splits
     kc[n_kv:] = np.nan          # past the current position: never read
     vc[n_kv:] = np.nan
     with B.context():
@@ -57,17 +61,21 @@ def test_attn_decode_matches_float64(heads, n_kv, rng):
                         np.array([n_kv - 1]), hp)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got, again)
+    assert (B._attn_counts.get() == 0).all()
     err = np.abs(got - exact).max()
     assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"{ModelSpec.decode_kernel(hp.head_dim)}: max abs error {err:.2e}"
 
 
-@pytest.mark.parametrize("n_kv", [1, 37, 129, 700])
+@pytest.mark.parametrize("n_kv", [1, 37, 129, 700, 4 * ATTN_DECODE_CHUNK + 1])
 @pytest.mark.parametrize("heads", [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32)])
 def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, n_kv, rng):
     """Fused (q, k and v straight from the projections): the output and the whole cache,
     bit for bit, those of qk_norm_rope_store followed by the attention; the current row in
-    the cache is poisoned before the fused launch (it must come from the registers)."""
+    the cache is poisoned before the fused launch (it must come from the registers; with
+    splits, of the block whose chunk holds it: 5 chunks, the current position the first
+    of the last)."""
     cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    B.decode_attn_splits = 3 if n_kv > ATTN_DECODE_CHUNK else None
     k = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
     v = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
     L = SimpleNamespace(q_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)),
