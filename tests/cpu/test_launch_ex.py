@@ -86,8 +86,8 @@ def test_every_model_kernel_waits_before_it_touches_memory():
     assert set(bodies) == set(ModelSpec.KERNELS)
     # these request constant model weights (norm weights, the router), or the KV cache
     # of earlier steps, before the wait
-    decode = {n for n in bodies if n.startswith("attn_decode_h")}
-    assert len(decode) == len(ModelSpec.DECODE_WIDTHS)
+    decode = {n for n in bodies if n.startswith("attn_decode_")}
+    assert len(decode) == len(ModelSpec.DECODE_WIDTHS) + 6       # + the grouped ones
     prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route"} | decode
     rows = render(ModelSpec())
     src_helper = rows[rows.index("void attn_rows("):]

@@ -62,3 +62,26 @@ def test_decode_attention_splits_fill_one_wave_once_the_context_is_long():
     body = src[src.index("attn_decode_h128("):]
     assert "constexpr int P = 2, U = 8, NW = ATTN_THREADS / 32, CHUNK = U * NW;" in body[:1500]
     assert 8 * 512 // 32 == ATTN_DECODE_CHUNK
+
+
+def test_decode_attention_plan_per_query_head_or_per_key_head():
+    from conftest import attn_hparams
+
+    from moeforge.runtime.backend_cuda import can_group, decode_attn_plan
+    qwen = attn_hparams(32, 4, 128)
+    assert decode_attn_plan(qwen, 8192, 132, False) == ("attn_decode_h128", 32, 512, 4)
+    assert decode_attn_plan(qwen, 8192, 132, True) == ("attn_decode_gqa_g8h128", 4, 256, 32)
+    assert decode_attn_plan(qwen, 100, 132, True) == ("attn_decode_gqa_g8h128", 4, 256, 4)   # the cache's chunks
+    assert decode_attn_plan(qwen, 8192, 132, True, splits=3)[3] == 3
+    assert decode_attn_plan(attn_hparams(4, 2, 32), 256, 132, True)[0] == "attn_decode_gqa_g2h64"
+    assert decode_attn_plan(attn_hparams(6, 3, 80), 256, 132, True)[0] == "attn_decode_gqa_g2h128"
+    for heads in ((8, 8, 32), (48, 4, 128), (4, 1, 256), (12, 4, 64)):    # groups of 1, 12, 4 (256 wide), 3
+        assert not can_group(attn_hparams(*heads))
+        with pytest.raises(ValueError, match="grouped decode attention takes"):
+            decode_attn_plan(attn_hparams(*heads), 4096, 132, True)
+        assert decode_attn_plan(attn_hparams(*heads), 4096, 132, False)[0].startswith("attn_decode_h")
+    # every kernel a plan names is rendered
+    src = render(ModelSpec())
+    for g in (2, 4, 8):
+        for w in (64, 128):
+            assert f"void __launch_bounds__(GQA_THREADS, {1 if g * w // 64 > 8 else 2}) attn_decode_gqa_g{g}h{w}(" in src

@@ -1,6 +1,7 @@
 """Decode attention (one token over the KV cache, attn_decode.cuh.j2) on the GPU (pytest -m
 gpu): against float64 at every head width variant, contexts inside and past the rows it
-requests before its wait, and its own q/k norm, RoPE and KV store bit for bit the separate
+requests before its wait, split over blocks, a block per query head or per key head (the
+grouped kernel), and its own q/k norm, RoPE and KV store bit for bit the separate
 qk_norm_rope_store launch."""
 from types import SimpleNamespace
 
@@ -9,7 +10,7 @@ import pytest
 from conftest import attention64, attn_hparams
 
 from moeforge.codegen.spec import ModelSpec
-from moeforge.runtime.backend_cuda import ATTN_DECODE_CHUNK
+from moeforge.runtime.backend_cuda import ATTN_DECODE_CHUNK, GQA_GROUPS
 
 pytestmark = pytest.mark.gpu
 
@@ -41,14 +42,28 @@ def _setup(heads, n_kv, rng):
     return cp, hp, B, cache, il, kc, vc, q, pos
 
 
-@pytest.mark.parametrize("n_kv,splits", [(n, None) for n in N_KV] + [(700, 1), (700, 3), (129, 2), (40, 5)])
-@pytest.mark.parametrize("heads", HEADS)
-def test_attn_decode_matches_float64(heads, n_kv, splits, rng):
+def _grouped(heads):
+    """The kernels that take these heads: per query head always, per key head for groups of
+    2, 4 or 8 and heads of up to 128."""
+    n_head, n_head_kv, hd = heads
+    return [False] + ([True] if n_head // n_head_kv in GQA_GROUPS and hd <= 128 else [])
+
+
+GROUPED_HEADS = [h for h in HEADS if True in _grouped(h)] + [(16, 4, 128), (8, 4, 64)]
+SPLITS = [(n, None) for n in N_KV] + [(700, 1), (700, 3), (129, 2), (40, 5)]
+
+
+@pytest.mark.parametrize("heads,grouped,n_kv,splits", [
+    (h, False, n, s) for h in HEADS for n, s in SPLITS] + [
+    (h, True, n, s) for h in GROUPED_HEADS for n, s in SPLITS + [(2000, None)]])
+def test_attn_decode_matches_float64(heads, grouped, n_kv, splits, rng):
     """q and the current row already in place (the separate q/k launch before it): float64
     within 2e-5; the output poisoned before the launch, the same bits on a second launch,
-    every head's split counter back at zero. splits: forced (None: the backend's choice)."""
+    every head's split counter back at zero. splits: forced (None: the backend's choice);
+    grouped: a block per key head (attn_decode_gqa) or per query head."""
     cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
     B.decode_attn_splits = splits
+    B.decode_attn_grouped = grouped
     kc[n_kv:] = np.nan          # past the current position: never read
     vc[n_kv:] = np.nan
     with B.context():
@@ -67,8 +82,9 @@ def test_attn_decode_matches_float64(heads, n_kv, splits, rng):
 
 
 @pytest.mark.parametrize("n_kv", [1, 37, 129, 700, 4 * ATTN_DECODE_CHUNK + 1])
-@pytest.mark.parametrize("heads", [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32)])
-def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, n_kv, rng):
+@pytest.mark.parametrize("heads,grouped", [(h, g) for h in [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32),
+                                                            (16, 4, 128)] for g in _grouped(h)])
+def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, grouped, n_kv, rng):
     """Fused (q, k and v straight from the projections): the output and the whole cache,
     bit for bit, those of qk_norm_rope_store followed by the attention; the current row in
     the cache is poisoned before the fused launch (it must come from the registers; with
@@ -76,6 +92,7 @@ def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, n_kv
     of the last)."""
     cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
     B.decode_attn_splits = 3 if n_kv > ATTN_DECODE_CHUNK else None
+    B.decode_attn_grouped = grouped
     k = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
     v = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
     L = SimpleNamespace(q_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)),

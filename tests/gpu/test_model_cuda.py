@@ -341,6 +341,38 @@ def test_decode_fusions_change_no_bit(parity_models, switch):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("name", ["q4_0", "f32"])
+def test_grouped_decode_attention_in_the_model(parity_models, name):
+    """The decode step with attention a block per key head (the fixtures' pairs of query
+    heads; what a large cache gets) against a block per query head, each in its captured
+    graph, splits forced so that the merge runs: the same logits up to summation order."""
+    fx = parity_models[name]
+    toks = fx["tokens"][:48]
+    outs = []
+    for grouped in (True, False):
+        m = load_model(fx["path"], backend="cuda")
+        m.backend.decode_attn_grouped = grouped
+        m.backend.decode_attn_splits = 2
+        m.reset(len(toks))
+        outs.append(np.concatenate([m.eval([t]) for t in toks]))
+        assert m.backend.graphs.captured("decode-grouped" if grouped else "decode")
+    _close(outs[0], outs[1], name)
+
+
+def test_decode_switches_to_grouped_attention_with_the_context(parity_models, monkeypatch):
+    """Past GQA_MIN_KV cached positions (lowered here to 20) the step takes the grouped
+    attention in a graph of its own; before it, the per-head one: both graphs captured, the
+    logits those of per-head attention throughout up to summation order."""
+    from moeforge.runtime import backend_cuda
+    fx = parity_models["q4_0"]
+    toks = fx["tokens"][:48]
+    ref, _ = _decode_logits(fx, toks, decode_attn_grouped=False)
+    monkeypatch.setattr(backend_cuda, "GQA_MIN_KV", 20)
+    got, m = _decode_logits(fx, toks)
+    assert m.backend.graphs.captured("decode") and m.backend.graphs.captured("decode-grouped")
+    _close(got, ref, "q4_0")
+
+
 def test_norms_quantizing_their_output_change_no_bit(parity_models):
     """In the decode step the norms and attention also write q8_1 of their output and the
     products after them skip their quantizing launch (the expert one then waits for the
