@@ -104,6 +104,7 @@ class CudaBackend(CudaMoeOps, Backend):
         self._waited_ids = None      # (ids pointer, output pointer) of the last expert gate/up
         self.fuse_qk_rope = True     # at decode attention normalises, rotates and stores q and k itself
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
+        self.router_cluster = True   # sm_90+: the decode router and routing in a cluster per token
         self.fuse_glu_quant = True     # past decode sizes the down product's quantizer applies SwiGLU
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
         self.attn_tile_buffers = None  # tensor-core prompt attention's key tiles: 1 or 2 (None: as

@@ -12,6 +12,7 @@ from . import dispatch, ops
 from .kernels import grid_1d
 
 _i32, _f32 = np.int32, np.float32
+ROUTER_CLUSTER_BLOCKS = 8    # routing.cuh.j2: RC_BLOCKS (the cluster's size, fixed in the kernel)
 
 
 class GluProducts:
@@ -107,12 +108,17 @@ class CudaMoeOps:
         if router.f is None or n > dispatch.MMVQ_MAX_TOKENS:
             return super().route_tokens(router, x, top_k, scale)
         m = router.shape[0]
-        if self._counter is None:
-            self._counter = self.cp.zeros(1, dtype=self.cp.uint32)   # router_route resets it after use
-            self.generation += 1
         logits = self.ws("router", (n, m))
         ids = self.ws("ids", (n, top_k), np.int32)
         wts = self.ws("wts", (n, top_k))
+        if self.router_cluster and int(self._device()["cc"].split(".")[0]) >= 9:
+            # a cluster of blocks per token, the logits gathered in one block's shared memory
+            self.kernel("router_route_cluster")((ROUTER_CLUSTER_BLOCKS, n), (512,), (
+                router.f, x, logits, _i32(m), _i32(k), _i32(n), _i32(top_k), _f32(scale), ids, wts))
+            return ids, wts
+        if self._counter is None:
+            self._counter = self.cp.zeros(1, dtype=self.cp.uint32)   # router_route resets it after use
+            self.generation += 1
         self.kernel("router_route")((-(-m // 8), n), (256,), (router.f, x, logits, _i32(m), _i32(k), _i32(n),
                                                             _i32(top_k), _f32(scale), ids, wts, self._counter))
         return ids, wts

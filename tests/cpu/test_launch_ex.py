@@ -72,7 +72,7 @@ def _kernels(src: str) -> dict:
     """name -> body of every __global__ function of a rendered module."""
     import re
     out = {}
-    for m in re.finditer(r'__global__ void (?:__launch_bounds__\([^)]*\) )?\s*(\w+)\(', src):
+    for m in re.finditer(r'__global__ void (?:RC_CLUSTER )?(?:__launch_bounds__\([^)]*\) )?\s*(\w+)\(', src):
         start = src.index("{", m.end())
         out[m.group(1)] = src[start:start + 3000]
     return out
@@ -88,7 +88,7 @@ def test_every_model_kernel_waits_before_it_touches_memory():
     # of earlier steps, before the wait
     decode = {n for n in bodies if n.startswith("attn_decode_")}
     assert len(decode) == len(ModelSpec.DECODE_WIDTHS) + 6       # + the grouped ones
-    prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route"} | decode
+    prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route", "router_route_cluster"} | decode
     rows = render(ModelSpec())
     src_helper = rows[rows.index("void attn_rows("):]
     src_helper = src_helper[:src_helper.index("\n}\n")]

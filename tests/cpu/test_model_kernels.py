@@ -19,7 +19,7 @@ def test_model_kernels_compile(arch, tmp_path):
 def test_every_kernel_is_listed():
     src = render(ModelSpec())
     for k in ModelSpec.KERNELS:
-        assert re.search(rf'extern "C" __global__ void (__launch_bounds__\([\w, ]+\)\s+)?{k}\(', src), k
+        assert re.search(rf'extern "C" __global__ void (RC_CLUSTER )?(__launch_bounds__\([\w, *]+\)\s+)?{k}\(', src), k
     assert src.count('extern "C" __global__') == len(ModelSpec.KERNELS)
 
 

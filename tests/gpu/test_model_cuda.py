@@ -263,15 +263,20 @@ def test_stacked_qkv_equals_three_products(parity_models, monkeypatch):
     np.testing.assert_allclose(stacked, separate, rtol=0, atol=1e-4 * np.abs(separate).max())
 
 
+@pytest.mark.parametrize("cluster", [False, True])
 @pytest.mark.parametrize("n", [1, 5, 8])
-def test_router_and_routing_in_one_launch(parity_models, n):
-    """route_tokens (the last block routes every token) against the product then the
-    routing kernel: the same logits sum order, so the same bits; three calls in a row
-    check that the launch resets its counter for the next one."""
+def test_router_and_routing_in_one_launch(parity_models, n, cluster):
+    """route_tokens (the last block routes every token, or the cluster's first block its
+    token: sm_90) against the product then the routing kernel: the same logits sum order,
+    so the same bits; three calls in a row check that the launch resets its counter for
+    the next one."""
     import cupy as cp
     from moeforge.runtime.backend import Backend
     m = load_model(parity_models["q4_0"]["path"], backend="cuda")
     B, hp, L = m.backend, m.hp, m.weights.layers[-1]
+    B.router_cluster = cluster
+    if cluster and int(B._device()["cc"].split(".")[0]) < 9:
+        pytest.skip("thread block clusters need sm_90")
     assert L.router.f is not None, "the fixture's router should be float32"
     rng = np.random.default_rng()
     for _ in range(3):
@@ -282,7 +287,44 @@ def test_router_and_routing_in_one_launch(parity_models, n):
             B.synchronize()
         np.testing.assert_array_equal(ia.get(), ib.get())
         np.testing.assert_array_equal(wa.get(), wb.get())
-    assert int(B._counter.get()[0]) == 0
+    assert cluster or int(B._counter.get()[0]) == 0
+
+
+@pytest.mark.parametrize("E,k,top_k", [(128, 2048, 8), (256, 1024, 8), (512, 2048, 10), (32, 2880, 4), (96, 130, 6)])
+def test_router_cluster_at_model_sizes(E, k, top_k):
+    """The cluster router at real router sizes (rows held across the wait; more rows than
+    the cluster's warps: a second and fourth pass; k not a multiple of 4: the scalar sums)
+    against the last-block kernel, bit for bit, and the logits against float64."""
+    import cupy as cp
+    from types import SimpleNamespace
+
+    from moeforge.runtime.backend_cuda import CudaBackend
+    B = CudaBackend(_hp_for_router(E, top_k))
+    if int(B._device()["cc"].split(".")[0]) < 9:
+        pytest.skip("thread block clusters need sm_90")
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((E, k)) / np.sqrt(k)).astype(np.float32)
+    router = SimpleNamespace(f=cp.asarray(w), shape=(E, k))
+    for n in (1, 3):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        got = []
+        for cluster in (True, False):
+            B.router_cluster = cluster
+            with B.context():
+                B.ws("router", (n, E)).fill(cp.nan)
+                ids, wts = B.route_tokens(router, cp.asarray(x), top_k, 1.0)
+                got.append((ids.get(), wts.get(), B.ws("router", (n, E)).get()))
+        for a, b in zip(*got):
+            np.testing.assert_array_equal(a, b)
+        exact = x.astype(np.float64) @ w.T.astype(np.float64)
+        assert np.abs(got[0][2] - exact).max() < 1e-4 * np.abs(exact).max()
+        assert (np.sort(got[0][0], axis=1) == np.sort(np.argsort(-exact, axis=1)[:, :top_k], axis=1)).all()
+
+
+def _hp_for_router(E, top_k):
+    from moeforge.runtime.arch_qwen3moe import HParams
+    return HParams(n_vocab=32, n_embd=64, n_layer=1, n_head=4, n_head_kv=2, head_dim=16, n_ff_exp=64, n_expert=E,
+                   n_expert_used=top_k, rms_eps=1e-6, rope_base=1e6, n_ctx_train=256)
 
 
 _DECODE_OFF = """
