@@ -2,7 +2,9 @@
 sweep-bench's (ik_llama.cpp), so the numbers sit next to llama.cpp's on the same file.
 
 pp N: N prompt tokens into an empty context (ubatches of --ubatch), logits of the last
-token only; tg N: N tokens decoded one at a time from an empty context. Each test runs
+token only; tg N: N tokens decoded one at a time from an empty context. With -d D (as
+llama-bench's --n-depth), the context first holds D tokens (processed untimed, once per
+test) and each run starts after them: "pp512 @ d4096". Each test runs
 twice to warm up (the first compiles and sizes buffers, the second captures the CUDA
 graphs), then --repetitions times; t/s is the mean ± standard deviation over
 repetitions, as llama-bench prints it. The token ids are random (no sampling), as there.
@@ -50,24 +52,38 @@ def run_tg(model, n: int, rng, start: int = 0) -> float:
     return _timed(model, go)
 
 
-def bench(model, tests, reps: int, seed: int = 0) -> list[dict]:
+def run_pp_at(model, n: int, rng, depth: int) -> float:
+    """n prompt tokens after the depth tokens already in the cache."""
+    toks = rng.integers(0, model.hp.n_vocab, size=n)
+    model.n_past = depth
+    return _timed(model, lambda: model.eval(toks, want_logits=False))
+
+
+def bench(model, tests, reps: int, seed: int = 0, depths=(0,)) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
-    for kind, n in tests:
-        need = n + 1
-        if model.cache.n_ctx < need:
-            model.reset(need)
+    for depth in depths:
+        for kind, n in tests:
+            need = depth + n + 1
+            if model.cache.n_ctx < need:
+                model.reset(need)
+            if depth:
+                # the runs write only positions from depth on: the first depth stay valid
+                model.reset()
+                model.eval(rng.integers(0, model.hp.n_vocab, size=depth), want_logits=False)
 
-        def once():
-            if kind == "pp":
-                return run_pp(model, n, rng)
-            model.reset()
-            return run_tg(model, n, rng)
-        for _ in range(2):                       # warm-up: compiles and sizes buffers, then captures
-            once()
-        ts = np.array([n / once() for _ in range(reps)])
-        rows.append({"test": f"{kind}{n}", "n": n, "t_s_mean": float(ts.mean()),
-                     "t_s_std": float(ts.std(ddof=1)) if reps > 1 else 0.0, "samples": ts.tolist()})
+            def once():
+                if kind == "pp":
+                    return run_pp_at(model, n, rng, depth) if depth else run_pp(model, n, rng)
+                if not depth:
+                    model.reset()
+                return run_tg(model, n, rng, start=depth)
+            for _ in range(2):                       # warm-up: compiles and sizes buffers, then captures
+                once()
+            ts = np.array([n / once() for _ in range(reps)])
+            rows.append({"test": f"{kind}{n}" + (f" @ d{depth}" if depth else ""), "n": n, "depth": depth,
+                         "t_s_mean": float(ts.mean()), "t_s_std": float(ts.std(ddof=1)) if reps > 1 else 0.0,
+                         "samples": ts.tolist()})
     return rows
 
 
@@ -149,7 +165,7 @@ def main(args) -> int:
               "(--backend numpy runs the same tables on the CPU, for testing only)", file=sys.stderr)
         return 2
     from .runtime.model import load_model
-    n_ctx = args.ctx if args.sweep else max([*args.p, *args.n, 1]) + 1
+    n_ctx = args.ctx if args.sweep else max(args.d) + max([*args.p, *args.n, 1]) + 1
     if args.profile:
         n_ctx = max(n_ctx, PROFILE_PAST + args.ubatch + 1)
     model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch,
@@ -162,7 +178,7 @@ def main(args) -> int:
         print(format_sweep(rows))
     else:
         tests = [("pp", p) for p in args.p if p > 0] + [("tg", n) for n in args.n if n > 0]
-        rows = bench(model, tests, args.repetitions, args.seed)
+        rows = bench(model, tests, args.repetitions, args.seed, args.d)
         print(format_llama_bench(model, rows, label))
     if args.json:
         with open(args.json, "w") as fh:

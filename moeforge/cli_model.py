@@ -122,6 +122,8 @@ def add_commands(sub) -> None:
     b.add_argument("model", metavar="MODEL.gguf")
     b.add_argument("-p", type=_ints, default=[512, 2048], help="prompt sizes (default 512,2048)")
     b.add_argument("-n", type=_ints, default=[128], help="generation lengths (default 128)")
+    b.add_argument("-d", "--n-depth", dest="d", type=_ints, default=[0],
+                   help="tokens already in the context when each test starts (default 0), as llama-bench's")
     b.add_argument("-r", "--repetitions", type=int, default=5)
     b.add_argument("-ub", "--ubatch", type=int, default=512, help="tokens per forward pass (default 512)")
     b.add_argument("--sweep", action="store_true", help="sweep-bench's table: PP and TG as the KV cache fills")

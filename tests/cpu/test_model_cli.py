@@ -54,6 +54,32 @@ def test_bench_routes_gguf_to_the_model_bench(tiny, capsys, tmp_path):
     assert [r["test"] for r in data["tests"]] == ["pp32", "tg4"] and data["tests"][0]["t_s_mean"] > 0
 
 
+def test_bench_at_depth(tiny, capsys, tmp_path):
+    """-d as llama-bench's: each test after that many tokens in the context, labelled so."""
+    out = tmp_path / "d.json"
+    assert main(["bench", tiny, "--backend", "numpy", "-p", "16", "-n", "3", "-d", "0,24", "-r", "2",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [ln.split("|")[6].strip() for ln in table[2:]] == ["pp16", "tg3", "pp16 @ d24", "tg3 @ d24"]
+    data = json.loads(out.read_text())
+    assert [r["depth"] for r in data["tests"]] == [0, 0, 24, 24]
+    assert all(r["t_s_mean"] > 0 for r in data["tests"])
+
+
+def test_bench_at_depth_attends_to_the_depth(tiny):
+    """The timed run really starts after the depth: the model's position afterwards."""
+    import numpy as np
+
+    from moeforge.bench_model import bench
+    from moeforge.runtime.model import load_model
+    m = load_model(tiny, backend="numpy", n_ctx=64)
+    bench(m, [("tg", 3)], reps=1, depths=(20,))
+    assert m.n_past == 23
+    bench(m, [("pp", 8)], reps=1, depths=(20,))
+    assert m.n_past == 28
+    assert np.isfinite(m.eval([1])).all()
+
+
 def test_sweep_table(tiny, capsys):
     assert main(["bench", tiny, "--backend", "numpy", "--sweep", "--ctx", "96", "--sweep-pp", "32",
                  "--sweep-tg", "8"]) == 0
