@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from ..codegen.spec import ModelSpec
-from . import dispatch, ops, prompt_attention
+from . import decode_attention, dispatch, ops, prompt_attention
 from .backend import Backend, KVCache
 from .device import device_info, require_gpu
 from .graphs import PassGraphs
@@ -27,47 +27,6 @@ from .tensor import QuantTensor
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 SMALL_N = 16    # float products up to this many tokens use dense_f32 (a warp per output), past it tiles
-ATTN_DECODE_THREADS = 512   # attn_decode.cuh.j2's ATTN_THREADS
-ATTN_DECODE_CHUNK = 128     # positions a block takes at a time (U * warps for heads up to 128)
-
-
-GQA_THREADS, GQA_CHUNK = 256, 32   # attn_decode_gqa.cuh.j2: GQA_THREADS, GQA_UNROLL * warps
-GQA_GROUPS, GQA_MAX_SPLITS = (2, 4, 8), 32
-# Steps that attend to this many positions or more take the grouped kernel (where it
-# exists): below it the per-head kernel was faster (H100 sweep, Qwen3-30B-A3B: 471 against
-# 418 t/s at 1024 cached, even at 3072, 363 against 348 at 4096, 317 against 277 at 7168).
-GQA_MIN_KV = 3072
-
-
-def decode_attn_splits(hp, n_ctx: int, sm_count: int) -> int:
-    """Blocks per query head of decode attention for a cache of n_ctx positions: one wave of
-    blocks (one fits an SM) once the context is long, never more than its chunks. The count
-    used at a step is min(this, the chunks the step's context fills), read on the device."""
-    return max(1, min(sm_count // hp.n_head, -(-n_ctx // ATTN_DECODE_CHUNK), 256))
-
-
-def can_group(hp) -> bool:
-    """Whether the grouped decode attention (a block per key head) takes these heads."""
-    return hp.n_head // hp.n_head_kv in GQA_GROUPS and hp.head_dim <= 128
-
-
-def decode_attn_plan(hp, n_ctx: int, sm_count: int, grouped: bool,
-                     splits: int | None = None) -> tuple[str, int, int, int]:
-    """(kernel, blocks of heads, threads, splits) of decode attention for a cache of n_ctx.
-    grouped: a block per key head and its query heads (attn_decode_gqa: the rows read once
-    per key head), else a block per query head. splits: forced blocks per head (None: one
-    wave, at most the cache's chunks)."""
-    if grouped and not can_group(hp):
-        raise ValueError(f"grouped decode attention takes groups of {GQA_GROUPS} query heads and heads of up to "
-                         f"128; this model has {hp.n_head // hp.n_head_kv} and {hp.head_dim}")
-    if grouped:
-        splits = splits or max(1, min(sm_count // hp.n_head_kv, GQA_MAX_SPLITS, -(-n_ctx // GQA_CHUNK)))
-        width = 64 if hp.head_dim <= 64 else 128
-        return f"attn_decode_gqa_g{hp.n_head // hp.n_head_kv}h{width}", hp.n_head_kv, GQA_THREADS, splits
-    splits = splits or decode_attn_splits(hp, n_ctx, sm_count)
-    return ModelSpec.decode_kernel(hp.head_dim), hp.n_head, ATTN_DECODE_THREADS, splits
-
-
 QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model_tokens.cuh.j2)
 
 
@@ -118,12 +77,12 @@ class CudaBackend(CudaMoeOps, Backend):
         per choice) takes the grouped attention."""
         if self.decode_attn_grouped is not None:
             return self.decode_attn_grouped
-        return can_group(self.hp) and pos0 + 1 >= GQA_MIN_KV
+        return decode_attention.grouped_at(self.hp, pos0)
 
     @property
     def decode_attn_grouped(self) -> bool | None:
         """Decode attention a block per key head (True), per query head (False) or None (by
-        the step's context: GQA_MIN_KV). Setting it drops captured graphs."""
+        the step's context: decode_attention.GQA_MIN_KV). Setting it drops captured graphs."""
         return self._decode_attn_grouped
 
     @decode_attn_grouped.setter
@@ -133,7 +92,7 @@ class CudaBackend(CudaMoeOps, Backend):
 
     @property
     def decode_attn_splits(self) -> int | None:
-        """Decode attention's blocks per head: None for decode_attn_splits(), a number forces
+        """Decode attention's blocks per head: None for decode_attention.plan's, a number forces
         it (A/B runs, tests). Setting it drops captured graphs (their launches hold the old)."""
         return self._decode_attn_splits
 
@@ -303,8 +262,8 @@ class CudaBackend(CudaMoeOps, Backend):
                 fused = (*pend[1:], _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)))
             else:
                 fused = (_NULL, _NULL, _NULL, _NULL, _f32(0.0), _f32(0.0))
-            kernel, heads, threads, splits = decode_attn_plan(hp, cache.n_ctx, self._device()["sm_count"],
-                                                              self._decode_grouped(pos0), self.decode_attn_splits)
+            kernel, heads, threads, splits = decode_attention.plan(hp, cache.n_ctx, self._device()["sm_count"],
+                                                                   self._decode_grouped(pos0), self.decode_attn_splits)
             part = self.ws("attn_part", (hp.n_head * splits * (hp.head_dim + 2),))
             if self._attn_counts is None or self._attn_counts.size < hp.n_head:
                 # zero once: the last block of each head resets its counter after use

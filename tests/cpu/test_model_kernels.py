@@ -49,7 +49,8 @@ def test_decode_attention_takes_the_narrowest_variant_that_holds_the_head():
 def test_decode_attention_splits_fill_one_wave_once_the_context_is_long():
     from conftest import attn_hparams
 
-    from moeforge.runtime.backend_cuda import ATTN_DECODE_CHUNK, decode_attn_splits
+    from moeforge.runtime.decode_attention import ATTN_DECODE_CHUNK
+    from moeforge.runtime.decode_attention import splits_per_head as decode_attn_splits
     qwen, few = attn_hparams(32, 4, 128), attn_hparams(4, 2, 64)
     assert decode_attn_splits(qwen, 100, 132) == 1                       # one chunk: one block a head
     assert decode_attn_splits(qwen, 3 * ATTN_DECODE_CHUNK, 132) == 3      # never more than the chunks
@@ -67,7 +68,8 @@ def test_decode_attention_splits_fill_one_wave_once_the_context_is_long():
 def test_decode_attention_plan_per_query_head_or_per_key_head():
     from conftest import attn_hparams
 
-    from moeforge.runtime.backend_cuda import can_group, decode_attn_plan
+    from moeforge.runtime.decode_attention import can_group
+    from moeforge.runtime.decode_attention import plan as decode_attn_plan
     qwen = attn_hparams(32, 4, 128)
     assert decode_attn_plan(qwen, 8192, 132, False) == ("attn_decode_h128", 32, 512, 4)
     assert decode_attn_plan(qwen, 8192, 132, True) == ("attn_decode_gqa_g8h128", 4, 256, 32)
@@ -85,3 +87,12 @@ def test_decode_attention_plan_per_query_head_or_per_key_head():
     for g in (2, 4, 8):
         for w in (64, 128):
             assert f"void __launch_bounds__(GQA_THREADS, {1 if g * w // 64 > 8 else 2}) attn_decode_gqa_g{g}h{w}(" in src
+
+
+def test_the_step_takes_the_grouped_kernel_from_its_position():
+    from conftest import attn_hparams
+
+    from moeforge.runtime.decode_attention import GQA_MIN_KV, grouped_at
+    qwen = attn_hparams(32, 4, 128)
+    assert not grouped_at(qwen, GQA_MIN_KV - 2) and grouped_at(qwen, GQA_MIN_KV - 1)   # pos0 + 1 attended
+    assert not grouped_at(attn_hparams(8, 8, 128), 10 * GQA_MIN_KV)                  # no group to share

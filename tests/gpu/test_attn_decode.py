@@ -10,7 +10,7 @@ import pytest
 from conftest import attention64, attn_hparams
 
 from moeforge.codegen.spec import ModelSpec
-from moeforge.runtime.backend_cuda import ATTN_DECODE_CHUNK, GQA_GROUPS
+from moeforge.runtime.decode_attention import ATTN_DECODE_CHUNK, GQA_GROUPS
 
 pytestmark = pytest.mark.gpu
 

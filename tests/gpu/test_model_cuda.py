@@ -405,11 +405,11 @@ def test_decode_switches_to_grouped_attention_with_the_context(parity_models, mo
     """Past GQA_MIN_KV cached positions (lowered here to 20) the step takes the grouped
     attention in a graph of its own; before it, the per-head one: both graphs captured, the
     logits those of per-head attention throughout up to summation order."""
-    from moeforge.runtime import backend_cuda
+    from moeforge.runtime import decode_attention
     fx = parity_models["q4_0"]
     toks = fx["tokens"][:48]
     ref, _ = _decode_logits(fx, toks, decode_attn_grouped=False)
-    monkeypatch.setattr(backend_cuda, "GQA_MIN_KV", 20)
+    monkeypatch.setattr(decode_attention, "GQA_MIN_KV", 20)
     got, m = _decode_logits(fx, toks)
     assert m.backend.graphs.captured("decode") and m.backend.graphs.captured("decode-grouped")
     _close(got, ref, "q4_0")

@@ -1,0 +1,51 @@
+"""Decode attention's launch plan (templates/attn_decode*.cuh.j2): which kernel, how many
+blocks per head. A block per query head (attn_decode_h64/128/256) or, for long contexts, a
+block per key head taking its group of query heads (attn_decode_gqa_g*h*: the key and value
+rows read once per key head); either split over several blocks per head (flash-decoding)
+once the cache is long. The backend launches the plan (backend_cuda.attention)."""
+from __future__ import annotations
+
+from ..codegen.spec import ModelSpec
+
+ATTN_DECODE_THREADS = 512   # attn_decode.cuh.j2's ATTN_THREADS
+ATTN_DECODE_CHUNK = 128     # positions a block takes at a time (U * warps for heads up to 128)
+GQA_THREADS, GQA_CHUNK = 256, 32   # attn_decode_gqa.cuh.j2: GQA_THREADS, GQA_UNROLL * warps
+GQA_GROUPS, GQA_MAX_SPLITS = (2, 4, 8), 32
+# Steps that attend to this many positions or more take the grouped kernel (where it
+# exists): below it the per-head kernel was faster (H100 sweep, Qwen3-30B-A3B: 471 against
+# 418 t/s at 1024 cached, even at 3072, 363 against 348 at 4096, 317 against 277 at 7168).
+GQA_MIN_KV = 3072
+
+
+def splits_per_head(hp, n_ctx: int, sm_count: int) -> int:
+    """Blocks per query head of decode attention for a cache of n_ctx positions: one wave of
+    blocks (one fits an SM) once the context is long, never more than its chunks. The count
+    used at a step is min(this, the chunks the step's context fills), read on the device."""
+    return max(1, min(sm_count // hp.n_head, -(-n_ctx // ATTN_DECODE_CHUNK), 256))
+
+
+def can_group(hp) -> bool:
+    """Whether the grouped decode attention (a block per key head) takes these heads."""
+    return hp.n_head // hp.n_head_kv in GQA_GROUPS and hp.head_dim <= 128
+
+
+def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None) -> tuple[str, int, int, int]:
+    """(kernel, blocks of heads, threads, splits) of decode attention for a cache of n_ctx.
+    grouped: a block per key head and its query heads (attn_decode_gqa: the rows read once
+    per key head), else a block per query head. splits: forced blocks per head (None: one
+    wave, at most the cache's chunks)."""
+    if grouped and not can_group(hp):
+        raise ValueError(f"grouped decode attention takes groups of {GQA_GROUPS} query heads and heads of up to "
+                         f"128; this model has {hp.n_head // hp.n_head_kv} and {hp.head_dim}")
+    if grouped:
+        splits = splits or max(1, min(sm_count // hp.n_head_kv, GQA_MAX_SPLITS, -(-n_ctx // GQA_CHUNK)))
+        width = 64 if hp.head_dim <= 64 else 128
+        return f"attn_decode_gqa_g{hp.n_head // hp.n_head_kv}h{width}", hp.n_head_kv, GQA_THREADS, splits
+    splits = splits or splits_per_head(hp, n_ctx, sm_count)
+    return ModelSpec.decode_kernel(hp.head_dim), hp.n_head, ATTN_DECODE_THREADS, splits
+
+
+def grouped_at(hp, pos0: int) -> bool:
+    """The step at position pos0 (known on the host: the backend captures a graph per
+    choice) takes the grouped kernel."""
+    return can_group(hp) and pos0 + 1 >= GQA_MIN_KV
