@@ -36,9 +36,13 @@ def _timed(model, fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_pp(model, n: int, rng) -> float:
+def run_pp(model, n: int, rng, depth: int = 0) -> float:
+    """n prompt tokens into an empty context, or after the depth tokens already in the cache."""
     toks = rng.integers(0, model.hp.n_vocab, size=n)
-    model.reset(n)
+    if depth:
+        model.n_past = depth
+    else:
+        model.reset(n)
     return _timed(model, lambda: model.eval(toks, want_logits=False))
 
 
@@ -50,13 +54,6 @@ def run_tg(model, n: int, rng, start: int = 0) -> float:
         for t in toks:
             model.eval([int(t)], want_logits=False)
     return _timed(model, go)
-
-
-def run_pp_at(model, n: int, rng, depth: int) -> float:
-    """n prompt tokens after the depth tokens already in the cache."""
-    toks = rng.integers(0, model.hp.n_vocab, size=n)
-    model.n_past = depth
-    return _timed(model, lambda: model.eval(toks, want_logits=False))
 
 
 def bench(model, tests, reps: int, seed: int = 0, depths=(0,)) -> list[dict]:
@@ -74,9 +71,7 @@ def bench(model, tests, reps: int, seed: int = 0, depths=(0,)) -> list[dict]:
 
             def once():
                 if kind == "pp":
-                    return run_pp_at(model, n, rng, depth) if depth else run_pp(model, n, rng)
-                if not depth:
-                    model.reset()
+                    return run_pp(model, n, rng, depth)
                 return run_tg(model, n, rng, start=depth)
             for _ in range(2):                       # warm-up: compiles and sizes buffers, then captures
                 once()

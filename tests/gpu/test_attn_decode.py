@@ -10,7 +10,7 @@ import pytest
 from conftest import attention64, attn_hparams
 
 from moeforge.codegen.spec import ModelSpec
-from moeforge.runtime.decode_attention import ATTN_DECODE_CHUNK, GQA_GROUPS
+from moeforge.runtime.decode_attention import ATTN_DECODE_CHUNK, can_group
 
 pytestmark = pytest.mark.gpu
 
@@ -43,10 +43,9 @@ def _setup(heads, n_kv, rng):
 
 
 def _grouped(heads):
-    """The kernels that take these heads: per query head always, per key head for groups of
-    2, 4 or 8 and heads of up to 128."""
-    n_head, n_head_kv, hd = heads
-    return [False] + ([True] if n_head // n_head_kv in GQA_GROUPS and hd <= 128 else [])
+    """The kernels that take these heads: per query head always, per key head where the
+    grouped kernel has a variant."""
+    return [False] + ([True] if can_group(attn_hparams(*heads)) else [])
 
 
 GROUPED_HEADS = [h for h in HEADS if True in _grouped(h)] + [(16, 4, 128), (8, 4, 64)]
