@@ -140,8 +140,11 @@ def _profile(model, args) -> int:
     from .runtime.op_profile import format_profile, profile_forward
     rng = np.random.default_rng(args.seed)
     result = {}
-    for label, n, past in ((f"decode step: 1 token after {PROFILE_PAST} cached", 1, PROFILE_PAST),
-                           (f"prompt: one ubatch of {args.ubatch} tokens", args.ubatch, 0)):
+    depth = max(args.d)
+    step_past = depth or PROFILE_PAST
+    for label, n, past in ((f"decode step: 1 token after {step_past} cached", 1, step_past),
+                           (f"prompt: one ubatch of {args.ubatch} tokens" + (f" after {depth} cached" if depth else ""),
+                            args.ubatch, depth)):
         prof = profile_forward(model, n, rng, n_past=past)
         print(format_profile(prof, f"{model_label(model)}, {label}"), end="\n\n")
         result[label] = {"method": prof.method, "total_us": round(prof.total_us, 2),
@@ -162,7 +165,7 @@ def main(args) -> int:
     from .runtime.model import load_model
     n_ctx = args.ctx if args.sweep else max(args.d) + max([*args.p, *args.n, 1]) + 1
     if args.profile:
-        n_ctx = max(n_ctx, PROFILE_PAST + args.ubatch + 1)
+        n_ctx = max(n_ctx, max(args.d) + PROFILE_PAST + args.ubatch + 1)
     model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch,
                        attn_precision=getattr(args, "attn_precision", None))
     label = "moeforge CUDA" if args.backend == "cuda" else "moeforge numpy"

@@ -131,7 +131,8 @@ def add_commands(sub) -> None:
     b.add_argument("--sweep-pp", type=int, default=512)
     b.add_argument("--sweep-tg", type=int, default=128)
     b.add_argument("--profile", action="store_true",
-                   help="time every op of one decode step and one prompt ubatch (where the time goes)")
+                   help="time every op of one decode step and one prompt ubatch (where the time goes), "
+                        "after the largest -d tokens when given")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
     _attn_precision_arg(b)

@@ -57,6 +57,7 @@ class CudaBackend(CudaMoeOps, Backend):
         self._attn_counts = None     # decode attention's per-head counters (splits)
         self._decode_attn_splits = None
         self._decode_attn_grouped = None
+        self._decode_attn_stages = None
         self._decoding = False       # inside decode_step: model kernels launch with PDL
         self.fuse_norm_q8 = True     # at decode the norms and attention also write q8_1 of their output
         self._q8 = None              # (output pointer, xq, xds, nbp) of the last such norm
@@ -101,6 +102,20 @@ class CudaBackend(CudaMoeOps, Backend):
         if splits is not None and splits < 1:
             raise ValueError(f"decode_attn_splits must be at least 1, not {splits}")
         self._decode_attn_splits = splits
+        self.generation += 1
+
+    @property
+    def decode_attn_stages(self) -> int | None:
+        """The grouped decode attention's ring buffers: None for as many as a block's shared
+        memory holds (decode_attention.ring), a number forces fewer (tests: the ring's
+        wrap-around, the merge in batches). Setting it drops captured graphs."""
+        return self._decode_attn_stages
+
+    @decode_attn_stages.setter
+    def decode_attn_stages(self, stages: int | None) -> None:
+        if stages is not None and not 2 <= stages <= decode_attention.GQA_MAX_STAGES:
+            raise ValueError(f"decode_attn_stages must be 2 to {decode_attention.GQA_MAX_STAGES}, not {stages}")
+        self._decode_attn_stages = stages
         self.generation += 1
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -268,10 +283,15 @@ class CudaBackend(CudaMoeOps, Backend):
             if self._attn_counts is None or self._attn_counts.size < hp.n_head:
                 # zero once: the last block of each head resets its counter after use
                 self._attn_counts = self.cp.zeros(hp.n_head, dtype=self.cp.uint32)
-            self.kernel(kernel)((heads, splits), (threads,), (
-                q, kc, vc, pos, out, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
-                _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused,
-                part, self._attn_counts, _i32(splits)))
+            args = (q, kc, vc, pos, out, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
+                    _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused,
+                    part, self._attn_counts, _i32(splits))
+            smem = 0
+            if kernel.startswith("attn_decode_gqa"):
+                stages, smem = decode_attention.ring(hp, self._device()["smem_per_block_optin"],
+                                                     self.decode_attn_stages)
+                args += (_i32(stages),)
+            self.kernel(kernel)((heads, splits), (threads,), args, smem=smem)
             return out
         info = self._device()
         kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"])

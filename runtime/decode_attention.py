@@ -9,12 +9,15 @@ from ..codegen.spec import ModelSpec
 
 ATTN_DECODE_THREADS = 512   # attn_decode.cuh.j2's ATTN_THREADS
 ATTN_DECODE_CHUNK = 128     # positions a block takes at a time (U * warps for heads up to 128)
-GQA_THREADS, GQA_CHUNK = 256, 32   # attn_decode_gqa.cuh.j2: GQA_THREADS, GQA_UNROLL * warps
+GQA_THREADS, GQA_CHUNK = 256, 32   # attn_decode_gqa.cuh.j2: GQA_THREADS, GQA_CHUNK
 GQA_GROUPS, GQA_MAX_SPLITS = (2, 4, 8), 32
+GQA_SPLIT_CAP = 4 * GQA_CHUNK   # forced splits: the merge keeps every split's maxima and sums in shared memory
+GQA_MAX_STAGES = 8              # chunk buffers of the ring (its waits take up to 7 in flight)
 # Steps that attend to this many positions or more take the grouped kernel (where it
-# exists): below it the per-head kernel was faster (H100 sweep, Qwen3-30B-A3B: 471 against
-# 418 t/s at 1024 cached, even at 3072, 363 against 348 at 4096, 317 against 277 at 7168).
-GQA_MIN_KV = 3072
+# exists): below it the per-head kernel was faster (H100, Qwen3-30B-A3B heads, the kernels
+# alone in a graph of 8 layers: per head 13.2 against 14.2 us at 1536 positions, grouped
+# 14.7 against 15.9 at 2048, 20.1 against 26.4 at 4096, 39.4 against 87.5 at 16384).
+GQA_MIN_KV = 2048
 
 
 def splits_per_head(hp, n_ctx: int, sm_count: int) -> int:
@@ -25,8 +28,26 @@ def splits_per_head(hp, n_ctx: int, sm_count: int) -> int:
 
 
 def can_group(hp) -> bool:
-    """Whether the grouped decode attention (a block per key head) takes these heads."""
-    return hp.n_head // hp.n_head_kv in GQA_GROUPS and hp.head_dim <= 128
+    """Whether the grouped decode attention (a block per key head) takes these heads: its
+    rows are copied in 16-byte pieces, so widths are multiples of 4."""
+    return hp.n_head // hp.n_head_kv in GQA_GROUPS and hp.head_dim <= 128 and hp.head_dim % 4 == 0
+
+
+def ring(hp, smem_limit: int, stages: int | None = None) -> tuple[int, int]:
+    """(stages, dynamic shared memory bytes) of the grouped kernel: as many chunk buffers
+    (GQA_CHUNK key rows padded to head_dim + 4 floats, as many value rows) as a block's
+    shared memory holds besides the kernel's static arrays, up to GQA_MAX_STAGES. After the
+    sweep the ring takes the value phases' sums (at most 512 head_dim bytes: two buffers
+    always hold them). stages: fewer than fit, forced (tests)."""
+    g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
+    width = 64 if hd <= 64 else 128
+    static = 4 * (g * width + GQA_CHUNK * g + (GQA_THREADS // 32) * g * GQA_CHUNK + 3 * g) + 64
+    chunk = 4 * GQA_CHUNK * (2 * hd + 4)
+    fit = min(GQA_MAX_STAGES, (smem_limit - static) // chunk)
+    stages = min(stages, fit) if stages else fit
+    if stages < 2:
+        raise ValueError(f"grouped decode attention needs two buffers of {chunk} bytes; a block has {smem_limit}")
+    return stages, stages * chunk
 
 
 def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None) -> tuple[str, int, int, int]:
@@ -36,9 +57,10 @@ def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None
     wave, at most the cache's chunks)."""
     if grouped and not can_group(hp):
         raise ValueError(f"grouped decode attention takes groups of {GQA_GROUPS} query heads and heads of up to "
-                         f"128; this model has {hp.n_head // hp.n_head_kv} and {hp.head_dim}")
+                         f"128 (multiples of 4); this model has {hp.n_head // hp.n_head_kv} and {hp.head_dim}")
     if grouped:
-        splits = splits or max(1, min(sm_count // hp.n_head_kv, GQA_MAX_SPLITS, -(-n_ctx // GQA_CHUNK)))
+        splits = min(splits, GQA_SPLIT_CAP) if splits else max(1, min(sm_count // hp.n_head_kv, GQA_MAX_SPLITS,
+                                                                      -(-n_ctx // GQA_CHUNK)))
         width = 64 if hp.head_dim <= 64 else 128
         return f"attn_decode_gqa_g{hp.n_head // hp.n_head_kv}h{width}", hp.n_head_kv, GQA_THREADS, splits
     splits = splits or splits_per_head(hp, n_ctx, sm_count)

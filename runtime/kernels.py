@@ -21,7 +21,7 @@ class LoadedKernel:
     smem_limit: int        # the device's per-block opt-in maximum
     pdl: bool = False      # launched with programmatic dependent launch (spec asks, sm_90+)
     pdl_ok: bool = False   # the device has PDL (and MOEFORGE_PDL is not 0)
-    _raised: int = 48 * 1024
+    _raised: int = 0        # the opt-in limit raised to this; static + dynamic past 48 KiB needs it
 
     def __call__(self, grid, args, *, block=None, smem=None, stream=None, pdl=None):
         """pdl: None as the spec asks; True for a kernel that waits for the grid before it

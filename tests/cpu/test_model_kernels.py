@@ -86,7 +86,28 @@ def test_decode_attention_plan_per_query_head_or_per_key_head():
     src = render(ModelSpec())
     for g in (2, 4, 8):
         for w in (64, 128):
-            assert f"void __launch_bounds__(GQA_THREADS, {1 if g * w // 64 > 8 else 2}) attn_decode_gqa_g{g}h{w}(" in src
+            assert f"void __launch_bounds__(GQA_THREADS, 1) attn_decode_gqa_g{g}h{w}(" in src
+
+
+def test_grouped_decode_ring_fills_the_block_and_holds_the_outputs():
+    from conftest import attn_hparams
+
+    from moeforge.runtime.decode_attention import GQA_CHUNK, GQA_MAX_STAGES, GQA_SPLIT_CAP, can_group, plan, ring
+    qwen = attn_hparams(32, 4, 128)
+    chunk = 4 * GQA_CHUNK * (2 * 128 + 4)                      # keys padded by 4 floats a row
+    assert ring(qwen, 232448) == (6, 6 * chunk)                # H100: 227 KiB a block, ~14 KiB static
+    assert ring(qwen, 101376) == (2, 2 * chunk)                # sm_86's 99 KiB
+    assert ring(qwen, 10**7)[0] == GQA_MAX_STAGES
+    assert ring(qwen, 232448, stages=3) == (3, 3 * chunk)      # forced fewer (tests)
+    assert ring(qwen, 101376, stages=5)[0] == 2                # never more than fit
+    with pytest.raises(ValueError, match="two buffers"):
+        ring(qwen, 49152)
+    for heads in ((16, 2, 16), (16, 2, 64), (8, 4, 68), (32, 4, 128)):    # the phases' sums fit two buffers
+        g, hd = heads[0] // heads[1], heads[2]
+        phases = 256 // ((64 if hd <= 64 else 128) // 4)
+        assert 2 * 4 * GQA_CHUNK * (2 * hd + 4) >= 4 * phases * g * hd
+    assert not can_group(attn_hparams(8, 4, 66))              # rows copied 16 bytes at a time
+    assert plan(qwen, 8192, 132, True, splits=10**4)[3] == GQA_SPLIT_CAP
 
 
 def test_the_step_takes_the_grouped_kernel_from_its_position():

@@ -80,6 +80,34 @@ def test_attn_decode_matches_float64(heads, grouped, n_kv, splits, rng):
     assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"{ModelSpec.decode_kernel(hp.head_dim)}: max abs error {err:.2e}"
 
 
+@pytest.mark.parametrize("heads,stages,n_kv,splits", [
+    ((32, 4, 128), 2, 5000, 128),   # 128 splits' records in 8 batches of 16 (what two buffers hold)
+    ((16, 2, 64), 2, 2000, 40),     # 40 in three batches of 16
+    ((16, 2, 64), 3, 2000, 3),      # 21 chunks a block through a ring of 3
+    ((8, 4, 64), 5, 777, 1),        # one block per key head, the ring wrapping 5 times
+])
+def test_grouped_ring_wraps_and_the_merge_goes_in_batches(heads, stages, n_kv, splits, rng):
+    """The grouped kernel with fewer ring buffers than the card holds (as on cards with less
+    shared memory): chunks through a wrapping ring, and the last block of a key head merging
+    the splits' records in batches of what the ring holds: float64 within 2e-5, the same
+    bits on a second launch, the counters back at zero."""
+    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    B.decode_attn_grouped, B.decode_attn_splits, B.decode_attn_stages = True, splits, stages
+    kc[n_kv:] = np.nan
+    vc[n_kv:] = np.nan
+    with B.context():
+        cache.k[il].set(kc)
+        cache.v[il].set(vc)
+        B.ws("attn", (1, hp.q_dim)).fill(cp.nan)
+        got = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn").get()
+        again = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn").get()
+    exact = attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.array([n_kv - 1]), hp)
+    np.testing.assert_array_equal(got, again)
+    assert (B._attn_counts.get() == 0).all()
+    err = np.abs(got - exact).max()
+    assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"max abs error {err:.2e}"
+
+
 @pytest.mark.parametrize("n_kv", [1, 37, 129, 700, 4 * ATTN_DECODE_CHUNK + 1])
 @pytest.mark.parametrize("heads,grouped", [(h, g) for h in [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32),
                                                             (16, 4, 128)] for g in _grouped(h)])
