@@ -80,6 +80,14 @@ def test_bench_at_depth_attends_to_the_depth(tiny):
     assert np.isfinite(m.eval([1])).all()
 
 
+def test_profile_at_depth(tiny, capsys):
+    """--profile with -d: the decode step and the prompt ubatch after the largest depth."""
+    assert main(["bench", tiny, "--backend", "numpy", "--profile", "-ub", "8", "-d", "0,24"]) == 0
+    titles = [ln for ln in capsys.readouterr().out.splitlines() if "qwen3moe" in ln]
+    assert "decode step: 1 token after 24 cached" in titles[0]
+    assert "prompt: one ubatch of 8 tokens after 24 cached" in titles[1]
+
+
 def test_sweep_table(tiny, capsys):
     assert main(["bench", tiny, "--backend", "numpy", "--sweep", "--ctx", "96", "--sweep-pp", "32",
                  "--sweep-tg", "8"]) == 0
