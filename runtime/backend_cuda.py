@@ -78,7 +78,7 @@ class CudaBackend(CudaMoeOps, Backend):
         per choice) takes the grouped attention."""
         if self.decode_attn_grouped is not None:
             return self.decode_attn_grouped
-        return decode_attention.grouped_at(self.hp, pos0)
+        return decode_attention.grouped_at(self.hp, pos0, self._device()["smem_per_block_optin"])
 
     @property
     def decode_attn_grouped(self) -> bool | None:

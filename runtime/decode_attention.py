@@ -67,7 +67,16 @@ def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None
     return ModelSpec.decode_kernel(hp.head_dim), hp.n_head, ATTN_DECODE_THREADS, splits
 
 
-def grouped_at(hp, pos0: int) -> bool:
+def grouped_at(hp, pos0: int, smem_limit: int | None = None) -> bool:
     """The step at position pos0 (known on the host: the backend captures a graph per
-    choice) takes the grouped kernel."""
-    return can_group(hp) and pos0 + 1 >= GQA_MIN_KV
+    choice) takes the grouped kernel: where it has a variant for the heads and, given a
+    block's shared memory on the card, where its ring's two buffers fit (else the per-head
+    kernel, which needs no more than 17 KB)."""
+    if not (can_group(hp) and pos0 + 1 >= GQA_MIN_KV):
+        return False
+    if smem_limit is not None:
+        try:
+            ring(hp, smem_limit)
+        except ValueError:
+            return False
+    return True

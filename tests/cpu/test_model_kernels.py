@@ -117,3 +117,5 @@ def test_the_step_takes_the_grouped_kernel_from_its_position():
     qwen = attn_hparams(32, 4, 128)
     assert not grouped_at(qwen, GQA_MIN_KV - 2) and grouped_at(qwen, GQA_MIN_KV - 1)   # pos0 + 1 attended
     assert not grouped_at(attn_hparams(8, 8, 128), 10 * GQA_MIN_KV)                  # no group to share
+    assert grouped_at(qwen, 10 * GQA_MIN_KV, smem_limit=101376)                    # sm_86: two buffers fit
+    assert not grouped_at(qwen, 10 * GQA_MIN_KV, smem_limit=65536)                 # they don't: per head
