@@ -93,6 +93,9 @@ def test_every_model_kernel_waits_before_it_touches_memory():
     src_helper = rows[rows.index("void attn_rows("):]
     src_helper = src_helper[:src_helper.index("\n}\n")]
     assert "t < lim" in src_helper            # rows at lim and past it are zeros, never read
+    ring_request = rows[rows.index("void request(float* buf,"):]
+    ring_request = ring_request[:ring_request.index("\n    }\n")]
+    assert "if (base + row[k] < lim)" in ring_request     # the grouped kernel's ring: rows below lim only
     for name, body in bodies.items():
         pre = body[1:body.index("pdl_enter();")]
         if name not in prefetching:
@@ -101,7 +104,11 @@ def test_every_model_kernel_waits_before_it_touches_memory():
         if name in decode:
             # the position and the cache rows before it (earlier steps wrote them), never q
             # or the current position's row (the kernel just before writes those)
-            assert "cur = n_kv - 1" in pre and "attn_rows<U, P, NW>(kc, vc, sp * CHUNK, cur," in pre, name
+            assert "cur = n_kv - 1" in pre, name
+            if name.startswith("attn_decode_gqa"):
+                assert "slots.request(gqa_ring + i * stage, kc, vc, sp * T + i * step, i < chunks ? cur : 0," in pre
+            else:
+                assert "attn_rows<U, P, NW>(kc, vc, sp * CHUNK, cur," in pre, name
             assert "q[" not in pre and "k_new" not in pre.split(")", 1)[1], name
             continue
         assert "w" in pre, name
