@@ -33,6 +33,11 @@ def can_group(hp) -> bool:
     return hp.n_head // hp.n_head_kv in GQA_GROUPS and hp.head_dim <= 128 and hp.head_dim % 4 == 0
 
 
+def _gqa_width(head_dim: int) -> int:
+    """The grouped kernel's variant width for heads of head_dim (up to 128)."""
+    return 64 if head_dim <= 64 else 128
+
+
 def ring(hp, smem_limit: int, stages: int | None = None) -> tuple[int, int]:
     """(stages, dynamic shared memory bytes) of the grouped kernel: as many chunk buffers
     (GQA_CHUNK key rows padded to head_dim + 4 floats, as many value rows) as a block's
@@ -40,7 +45,7 @@ def ring(hp, smem_limit: int, stages: int | None = None) -> tuple[int, int]:
     sweep the ring takes the value phases' sums (at most 512 head_dim bytes: two buffers
     always hold them). stages: fewer than fit, forced (tests)."""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
-    width = 64 if hd <= 64 else 128
+    width = _gqa_width(hd)
     static = 4 * (g * width + GQA_CHUNK * g + (GQA_THREADS // 32) * g * GQA_CHUNK + 3 * g) + 64
     chunk = 4 * GQA_CHUNK * (2 * hd + 4)
     fit = min(GQA_MAX_STAGES, (smem_limit - static) // chunk)
@@ -61,8 +66,7 @@ def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None
     if grouped:
         splits = min(splits, GQA_SPLIT_CAP) if splits else max(1, min(sm_count // hp.n_head_kv, GQA_MAX_SPLITS,
                                                                       -(-n_ctx // GQA_CHUNK)))
-        width = 64 if hp.head_dim <= 64 else 128
-        return f"attn_decode_gqa_g{hp.n_head // hp.n_head_kv}h{width}", hp.n_head_kv, GQA_THREADS, splits
+        return f"attn_decode_gqa_g{hp.n_head // hp.n_head_kv}h{_gqa_width(hp.head_dim)}", hp.n_head_kv, GQA_THREADS, splits
     splits = splits or splits_per_head(hp, n_ctx, sm_count)
     return ModelSpec.decode_kernel(hp.head_dim), hp.n_head, ATTN_DECODE_THREADS, splits
 

@@ -52,18 +52,11 @@ GROUPED_HEADS = [h for h in HEADS if True in _grouped(h)] + [(16, 4, 128), (8, 4
 SPLITS = [(n, None) for n in N_KV] + [(700, 1), (700, 3), (129, 2), (40, 5)]
 
 
-@pytest.mark.parametrize("heads,grouped,n_kv,splits", [
-    (h, False, n, s) for h in HEADS for n, s in SPLITS] + [
-    (h, True, n, s) for h in GROUPED_HEADS for n, s in SPLITS + [(2000, None)]])
-def test_attn_decode_matches_float64(heads, grouped, n_kv, splits, rng):
-    """q and the current row already in place (the separate q/k launch before it): float64
-    within 2e-5; the output poisoned before the launch, the same bits on a second launch,
-    every head's split counter back at zero. splits: forced (None: the backend's choice);
-    grouped: a block per key head (attn_decode_gqa) or per query head."""
-    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
-    B.decode_attn_splits = splits
-    B.decode_attn_grouped = grouped
-    kc[n_kv:] = np.nan          # past the current position: never read
+def _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, label):
+    """q and the current row already in place (the separate q/k launch before it), rows past
+    the current position NaN (never read), the output poisoned before the launch: float64
+    within 2e-5, the same bits on a second launch, every split counter back at zero."""
+    kc[n_kv:] = np.nan
     vc[n_kv:] = np.nan
     with B.context():
         cache.k[il].set(kc)
@@ -77,7 +70,21 @@ def test_attn_decode_matches_float64(heads, grouped, n_kv, splits, rng):
     np.testing.assert_array_equal(got, again)
     assert (B._attn_counts.get() == 0).all()
     err = np.abs(got - exact).max()
-    assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"{ModelSpec.decode_kernel(hp.head_dim)}: max abs error {err:.2e}"
+    assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"{label}: max abs error {err:.2e}"
+
+
+@pytest.mark.parametrize("heads,grouped,n_kv,splits", [
+    (h, False, n, s) for h in HEADS for n, s in SPLITS] + [
+    (h, True, n, s) for h in GROUPED_HEADS for n, s in SPLITS + [(2000, None)]])
+def test_attn_decode_matches_float64(heads, grouped, n_kv, splits, rng):
+    """q and the current row already in place (the separate q/k launch before it): float64
+    within 2e-5; the output poisoned before the launch, the same bits on a second launch,
+    every head's split counter back at zero. splits: forced (None: the backend's choice);
+    grouped: a block per key head (attn_decode_gqa) or per query head."""
+    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    B.decode_attn_splits = splits
+    B.decode_attn_grouped = grouped
+    _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, ModelSpec.decode_kernel(hp.head_dim))
 
 
 @pytest.mark.parametrize("heads,stages,n_kv,splits", [
@@ -93,19 +100,7 @@ def test_grouped_ring_wraps_and_the_merge_goes_in_batches(heads, stages, n_kv, s
     bits on a second launch, the counters back at zero."""
     cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
     B.decode_attn_grouped, B.decode_attn_splits, B.decode_attn_stages = True, splits, stages
-    kc[n_kv:] = np.nan
-    vc[n_kv:] = np.nan
-    with B.context():
-        cache.k[il].set(kc)
-        cache.v[il].set(vc)
-        B.ws("attn", (1, hp.q_dim)).fill(cp.nan)
-        got = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn").get()
-        again = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn").get()
-    exact = attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.array([n_kv - 1]), hp)
-    np.testing.assert_array_equal(got, again)
-    assert (B._attn_counts.get() == 0).all()
-    err = np.abs(got - exact).max()
-    assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"max abs error {err:.2e}"
+    _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, "attn_decode_gqa")
 
 
 @pytest.mark.parametrize("n_kv", [1, 37, 129, 700, 4 * ATTN_DECODE_CHUNK + 1])
