@@ -67,24 +67,34 @@ class UtilSpec(KernelSpec):
         "scatter_rows",
     )
 
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return self.KERNELS
+
 
 @dataclass(frozen=True)
 class ModelSpec(KernelSpec):
     """The small kernels of the model graph (runtime.backend_cuda): embedding rows, the
     norms and their fusions, RoPE, the KV store, attention, routing, SwiGLU, the expert sum.
-    The limits size fixed arrays in the kernels; the backend refuses a model past them."""
+    The limits size fixed arrays in the kernels; the backend refuses a model past them.
+    cache: the KV cache's element type, which every kernel that reads or writes the cache
+    is built for ("f16": half the bytes, values rounded to nearest even when stored)."""
     family: ClassVar[str] = "model"
     template: ClassVar[str] = "model.cu.j2"
     max_experts: int = 512      # routing holds a token's logits in registers, 32 lanes wide
     max_head_dim: int = 256     # the widest head the backend takes (at most the widest decode attention)
+    cache: str = "f32"
     DENSE_TILE: ClassVar[int] = 64     # dense_f32_tiled: rows and tokens of a tile
     DENSE_STEP: ClassVar[int] = 16     # its k of a step (a split of k is a multiple of it)
+    CACHE_TYPES: ClassVar[tuple[str, ...]] = ("f32", "f16")
 
     @property
     def name(self) -> str:
-        return f"model-e{self.max_experts}h{self.max_head_dim}"
+        return f"model-e{self.max_experts}h{self.max_head_dim}" + ("" if self.cache == "f32" else f"-c{self.cache}")
 
     def check(self) -> None:
+        if self.cache not in self.CACHE_TYPES:
+            raise ValueError(f"{self.name}: cache must be one of {self.CACHE_TYPES}, not {self.cache!r}")
         if self.max_experts % 32 or self.max_experts <= 0:
             raise ValueError(f"{self.name}: max_experts must be a positive multiple of 32")
         if not 0 < self.max_head_dim <= self.DECODE_WIDTHS[-1]:
@@ -113,6 +123,14 @@ class ModelSpec(KernelSpec):
         "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
         "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_f16",
     )
+    # prompt attention kernels that read a float32 cache as it is (tf32 and FMA): an f16
+    # cache's module has only attn_prefill_f16 (runtime.prompt_attention.kernel_for)
+    F32_CACHE_ONLY: ClassVar[tuple[str, ...]] = ("attn_prefill", "attn_prefill_tc")
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels of this instance's module."""
+        return self.KERNELS if self.cache == "f32" else tuple(k for k in self.KERNELS if k not in self.F32_CACHE_ONLY)
 
 
 @dataclass(frozen=True)

@@ -88,9 +88,14 @@ def format_llama_bench(model, rows, backend_label: str) -> str:
     params = f"{model.n_params / 1e9:.2f} B" if model.n_params >= 1e9 else f"{model.n_params / 1e6:.2f} M"
     body = [[model_label(model), size, params,
              backend_label, "99", r["test"], f"{r['t_s_mean']:.2f} ± {r['t_s_std']:.2f}"] for r in rows]
-    right = {1, 2, 4, 5, 6}
+    cache = getattr(model.backend, "cache_type", "f32")
+    if cache != "f32":      # as llama-bench shows type_k and type_v where they are not its default
+        head.insert(5, "type_kv")
+        for b in body:
+            b.insert(5, cache)
+    right = {1, 2, 4, len(head) - 2, len(head) - 1}
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    widths[0], widths[6] = max(widths[0], 30), max(widths[6], 20)
+    widths[0], widths[-1] = max(widths[0], 30), max(widths[-1], 20)
 
     def line(cells):
         return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
@@ -146,7 +151,7 @@ def _profile(model, args) -> int:
                            (f"prompt: one ubatch of {args.ubatch} tokens" + (f" after {depth} cached" if depth else ""),
                             args.ubatch, depth)):
         prof = profile_forward(model, n, rng, n_past=past)
-        print(format_profile(prof, f"{model_label(model)}, {label}"), end="\n\n")
+        print(format_profile(prof, f"{model_label(model)}, {model.backend.cache_type} KV cache, {label}"), end="\n\n")
         result[label] = {"method": prof.method, "total_us": round(prof.total_us, 2),
                          "ops": [{"op": r.label, "calls": r.calls, "total_us": round(r.total_us, 2)}
                                  for r in prof.rows]}
@@ -167,7 +172,8 @@ def main(args) -> int:
     if args.profile:
         n_ctx = max(n_ctx, max(args.d) + PROFILE_PAST + args.ubatch + 1)
     model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch,
-                       attn_precision=getattr(args, "attn_precision", None))
+                       attn_precision=getattr(args, "attn_precision", None),
+                       cache_type=getattr(args, "cache_type", "f32"))
     label = "moeforge CUDA" if args.backend == "cuda" else "moeforge numpy"
     if args.profile:
         return _profile(model, args)
@@ -181,5 +187,6 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "label": model_label(model), "backend": label,
+                       "cache_type": model.backend.cache_type,
                        "sweep" if args.sweep else "tests": rows}, fh, indent=1)
     return 0

@@ -41,7 +41,7 @@ def _load(args):
         raise SystemExit("moeforge: the cuda backend needs a CUDA GPU, and none was found "
                          "(--backend numpy runs small models on the CPU)")
     return load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None),
-                      attn_precision=args.attn_precision)
+                      attn_precision=args.attn_precision, cache_type=args.cache_type)
 
 
 def _cmd_perplexity(args) -> int:
@@ -81,7 +81,11 @@ def _cmd_bench_model(args) -> int:
 
 def _attn_precision_arg(parser) -> None:
     parser.add_argument("--attn-precision", default=None, choices=("f16", "tf32", "f32"),
-                        help="prompt attention (default: f16 where the attention weights are quantized, else f32)")
+                        help="prompt attention (default: f16 where the attention weights are quantized or the "
+                             "cache is f16, else f32)")
+    parser.add_argument("--cache-type", "-ctkv", default="f32", choices=("f32", "f16"),
+                        help="the KV cache's type (default f32; f16 halves its memory and what attention reads, "
+                             "as llama.cpp's default cache)")
 
 
 def add_commands(sub) -> None:

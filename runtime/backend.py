@@ -42,24 +42,44 @@ class Weights:
     layers: list[LayerWeights]
 
 
-class KVCache:
-    """F32 keys and values, (n_layer, n_ctx, kv_dim) each, like llama.cpp with an F32 cache."""
+CACHE_TYPES = {"f32": np.float32, "f16": np.float16}
 
-    def __init__(self, xp, hp: HParams, n_ctx: int):
-        self.n_ctx = n_ctx
-        self.k = xp.zeros((hp.n_layer, n_ctx, hp.kv_dim), dtype=np.float32)
-        self.v = xp.zeros((hp.n_layer, n_ctx, hp.kv_dim), dtype=np.float32)
+
+def check_cache_type(cache_type: str) -> str:
+    if cache_type not in CACHE_TYPES:
+        raise ValueError(f"cache_type must be one of {tuple(CACHE_TYPES)}, got {cache_type!r}")
+    return cache_type
+
+
+class KVCache:
+    """Keys and values, (n_layer, n_ctx, kv_dim) each, float32 or f16 (cache_type), like
+    llama.cpp's cache of that type: f16 halves the memory and what attention reads, each
+    value rounded to nearest even once, when it is stored."""
+
+    def __init__(self, xp, hp: HParams, n_ctx: int, cache_type: str = "f32"):
+        self.n_ctx, self.type = n_ctx, check_cache_type(cache_type)
+        dtype = CACHE_TYPES[cache_type]
+        self.k = xp.zeros((hp.n_layer, n_ctx, hp.kv_dim), dtype=dtype)
+        self.v = xp.zeros((hp.n_layer, n_ctx, hp.kv_dim), dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
 
 
 class Backend:
     name = "?"
     xp = np
 
-    def __init__(self, hp: HParams, attn_precision: str | None = None):
+    def __init__(self, hp: HParams, attn_precision: str | None = None, cache_type: str = "f32"):
         self.hp = hp
+        self.cache_type = check_cache_type(cache_type)
         # the prompt attention's precision (runtime.prompt_attention); None until upload
-        # resolves it: f16 where the attention weights are quantized, else f32
+        # resolves it: f16 where the attention weights are quantized or the cache is f16, else f32
         self.attn_request = None if attn_precision is None else prompt_attention.check_precision(attn_precision)
+        if cache_type == "f16" and self.attn_request not in (None, "f16"):
+            raise ValueError(f"an f16 KV cache holds keys and values at f16 precision: attn_precision must be f16 "
+                             f"(or left to the default), not {self.attn_request!r}")
         self.attn_precision = self.attn_request
 
     def decoding(self):
@@ -75,7 +95,8 @@ class Backend:
 
     def upload(self, refs: ModelRefs, progress=None) -> Weights:
         """Layer by layer, so that at most one layer's merged host copy exists at a time."""
-        self.attn_precision = self.attn_request or ("f16" if refs.attention_quantized() else "f32")
+        quantized = refs.attention_quantized() or self.cache_type == "f16"
+        self.attn_precision = self.attn_request or ("f16" if quantized else "f32")
         M, V = self.matrix, self.vector
         tok = M(refs.tok_embd, embedding=True)
         out = tok if refs.output is refs.tok_embd else M(refs.output)
@@ -93,7 +114,7 @@ class Backend:
         return Weights(tok, V(refs.output_norm), out, layers)
 
     def new_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.xp, self.hp, n_ctx)
+        return KVCache(self.xp, self.hp, n_ctx, self.cache_type)
 
     def stacked_qkv(self, L):
         """q, k and v as one stacked matrix, or None to keep three (the default)."""

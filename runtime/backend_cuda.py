@@ -38,10 +38,10 @@ class GpuWeight:
 class CudaBackend(CudaMoeOps, Backend):
     name = "cuda"
 
-    def __init__(self, hp, attn_precision: str | None = None):
+    def __init__(self, hp, attn_precision: str | None = None, cache_type: str = "f32"):
         cp = require_gpu("the cuda backend")
-        super().__init__(hp, attn_precision)
-        lim = ModelSpec()
+        super().__init__(hp, attn_precision, cache_type)
+        self.spec = lim = ModelSpec(cache=self.cache_type)   # the model kernels, built for the cache's type
         if hp.n_expert > lim.max_experts or hp.head_dim > lim.max_head_dim or hp.n_expert_used > 32:
             raise ValueError(f"the cuda backend handles up to {lim.max_experts} experts, 32 of them per token, and "
                              f"heads of up to {lim.max_head_dim}; this model has {hp.n_expert}, {hp.n_expert_used} "
@@ -78,7 +78,7 @@ class CudaBackend(CudaMoeOps, Backend):
         per choice) takes the grouped attention."""
         if self.decode_attn_grouped is not None:
             return self.decode_attn_grouped
-        return decode_attention.grouped_at(self.hp, pos0, self._device()["smem_per_block_optin"])
+        return decode_attention.grouped_at(self.hp, pos0, self._device()["smem_per_block_optin"], self.cache_type)
 
     @property
     def decode_attn_grouped(self) -> bool | None:
@@ -127,7 +127,7 @@ class CudaBackend(CudaMoeOps, Backend):
         usual (their kernels are long, and a ctypes launch costs more host time)."""
         fn = self._kernels.get(name)
         if fn is None:
-            k = load(ModelSpec(), name)
+            k = load(self.spec, name)
             fn = self._kernels[name] = lambda grid, block, args, smem=0: k(grid, args, block=block[0], smem=smem,
                                                                             pdl=self._decoding)
         return fn
@@ -153,7 +153,7 @@ class CudaBackend(CudaMoeOps, Backend):
 
     def new_cache(self, n_ctx: int) -> KVCache:
         with self.stream:
-            cache = KVCache(self.cp, self.hp, n_ctx)
+            cache = KVCache(self.cp, self.hp, n_ctx, self.cache_type)
         self.generation += 1
         return cache
 
@@ -248,7 +248,7 @@ class CudaBackend(CudaMoeOps, Backend):
     def qk_norm_rope_store_(self, cache, il, q, k, v, L, pos, pos0):
         hp = self.hp
         n = q.shape[0]
-        if n == 1 and self._decoding and self.fuse_qk_rope and hp.head_dim <= ModelSpec().max_head_dim:
+        if n == 1 and self._decoding and self.fuse_qk_rope and hp.head_dim <= self.spec.max_head_dim:
             # the decode attention right after does it (attn_decode.cuh.j2): one launch less
             self._pending_qk = (q.data.ptr, k, v, L.q_norm, L.k_norm)
             return
@@ -278,7 +278,8 @@ class CudaBackend(CudaMoeOps, Backend):
             else:
                 fused = (_NULL, _NULL, _NULL, _NULL, _f32(0.0), _f32(0.0))
             kernel, heads, threads, splits = decode_attention.plan(hp, cache.n_ctx, self._device()["sm_count"],
-                                                                   self._decode_grouped(pos0), self.decode_attn_splits)
+                                                                   self._decode_grouped(pos0), self.decode_attn_splits,
+                                                                   self.cache_type)
             part = self.ws("attn_part", (hp.n_head * splits * (hp.head_dim + 2),))
             if self._attn_counts is None or self._attn_counts.size < hp.n_head:
                 # zero once: the last block of each head resets its counter after use
@@ -289,19 +290,21 @@ class CudaBackend(CudaMoeOps, Backend):
             smem = 0
             if kernel.startswith("attn_decode_gqa"):
                 stages, smem = decode_attention.ring(hp, self._device()["smem_per_block_optin"],
-                                                     self.decode_attn_stages)
+                                                     self.decode_attn_stages, self.cache_type)
                 args += (_i32(stages),)
             self.kernel(kernel)((heads, splits), (threads,), args, smem=smem)
             return out
         info = self._device()
-        kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"])
+        kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"],
+                                             self.cache_type)
         if kernel is not None:
             return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"])
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
         g = hp.n_head // hkv
-        # other head shapes: cuBLAS on views (CuPy temporaries: such a pass is not captured)
-        K = kc[:L].reshape(L, hkv, hd).transpose(1, 2, 0)
-        V = vc[:L].reshape(L, hkv, hd).transpose(1, 0, 2)
+        # other head shapes: cuBLAS on views (CuPy temporaries: such a pass is not captured;
+        # an f16 cache's rows as float32 copies)
+        K = kc[:L].astype(np.float32, copy=False).reshape(L, hkv, hd).transpose(1, 2, 0)
+        V = vc[:L].astype(np.float32, copy=False).reshape(L, hkv, hd).transpose(1, 0, 2)
         qh = q.reshape(n, hkv, g, hd).transpose(1, 2, 0, 3).reshape(hkv, g * n, hd)
         p = cp.ascontiguousarray(cp.matmul(qh, K))                  # (hkv, g * n, L) scores
         self.kernel("softmax_causal")((p.size // L,), (256,), (p, _i32(L), _i32(n), _i32(pos0), _f32(scale)))
@@ -315,9 +318,9 @@ class CudaBackend(CudaMoeOps, Backend):
                 _f32(scale * math.log2(math.e)))
         smem = prompt_attention.smem_bytes(hp, kernel)
         if kernel != "attn_prefill":
-            bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, smem_limit, kernel)
+            bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, smem_limit, kernel, self.cache_type)
             args += (_i32(bufs),)
-            smem = prompt_attention.smem_bytes(hp, kernel, bufs)
+            smem = prompt_attention.smem_bytes(hp, kernel, bufs, self.cache_type)
         self.kernel(kernel)((hp.n_head_kv, -(-n // prompt_attention.ROWS[kernel])),
                             (prompt_attention.threads(hp, kernel),), args, smem=smem)
         return out

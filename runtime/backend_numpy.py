@@ -94,8 +94,8 @@ class NumpyBackend(Backend):
     name = "numpy"
     xp = np
 
-    def __init__(self, hp, numerics: str = "float", attn_precision: str | None = None):
-        super().__init__(hp, attn_precision)
+    def __init__(self, hp, numerics: str = "float", attn_precision: str | None = None, cache_type: str = "f32"):
+        super().__init__(hp, attn_precision, cache_type)
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
@@ -136,6 +136,7 @@ class NumpyBackend(Backend):
         x[...] = out.reshape(x.shape).astype(np.float32)
 
     def kv_store_(self, cache, il, k, v, pos, pos0):
+        """(An f16 cache rounds to nearest even here, as cvt.rn.f16.f32 does on the GPU.)"""
         n = k.shape[0]
         cache.k[il, pos0:pos0 + n] = k
         cache.v[il, pos0:pos0 + n] = v
@@ -144,7 +145,8 @@ class NumpyBackend(Backend):
         weights = super().upload(refs, progress)
         # numerics="kernel" follows the GPU's prompt attention onto tensor cores where it goes
         # there (on an sm_80+ card, the generations moeforge builds for: codegen.compile.ARCHS)
-        on_tc = prompt_attention.kernel_for(self.hp, "8.0", self.attn_precision) in prompt_attention.TENSOR_CORE.values()
+        on_tc = prompt_attention.kernel_for(self.hp, "8.0", self.attn_precision,
+                                            cache=self.cache_type) in prompt_attention.TENSOR_CORE.values()
         self.attn_tc = self.attn_precision if self.numerics == "kernel" and on_tc else None
         return weights
 

@@ -27,10 +27,15 @@ def splits_per_head(hp, n_ctx: int, sm_count: int) -> int:
     return max(1, min(sm_count // hp.n_head, -(-n_ctx // ATTN_DECODE_CHUNK), 256))
 
 
-def can_group(hp) -> bool:
+ELEMENT_BYTES = {"f32": 4, "f16": 2}   # a KV cache element (codegen.spec.ModelSpec.cache)
+
+
+def can_group(hp, cache: str = "f32") -> bool:
     """Whether the grouped decode attention (a block per key head) takes these heads: its
-    rows are copied in 16-byte pieces, so widths are multiples of 4."""
-    return hp.n_head // hp.n_head_kv in GQA_GROUPS and hp.head_dim <= 128 and hp.head_dim % 4 == 0
+    rows are copied in 16-byte pieces, so widths are multiples of 4 (float32 cache) or 8
+    (f16)."""
+    return (hp.n_head // hp.n_head_kv in GQA_GROUPS and hp.head_dim <= 128
+            and hp.head_dim % (16 // ELEMENT_BYTES[cache]) == 0)
 
 
 def _gqa_width(head_dim: int) -> int:
@@ -38,31 +43,37 @@ def _gqa_width(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128
 
 
-def ring(hp, smem_limit: int, stages: int | None = None) -> tuple[int, int]:
+def ring(hp, smem_limit: int, stages: int | None = None, cache: str = "f32") -> tuple[int, int]:
     """(stages, dynamic shared memory bytes) of the grouped kernel: as many chunk buffers
-    (GQA_CHUNK key rows padded to head_dim + 4 floats, as many value rows) as a block's
-    shared memory holds besides the kernel's static arrays, up to GQA_MAX_STAGES. After the
-    sweep the ring takes the value phases' sums (at most 512 head_dim bytes: two buffers
-    always hold them). stages: fewer than fit, forced (tests)."""
-    g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
+    (GQA_CHUNK key rows padded by 16 bytes, as many value rows, of cache elements) as a
+    block's shared memory holds besides the kernel's static arrays, up to GQA_MAX_STAGES.
+    After the sweep the ring takes the value phases' sums (float32: (1024 / width) * g *
+    head_dim * 4 bytes), so it is never smaller than those (two float32 buffers always
+    hold them, f16 ones may need four). stages: fewer than fit, forced (tests); raised to
+    what holds the sums."""
+    g, hd, eb = hp.n_head // hp.n_head_kv, hp.head_dim, ELEMENT_BYTES[cache]
     width = _gqa_width(hd)
     static = 4 * (g * width + GQA_CHUNK * g + (GQA_THREADS // 32) * g * GQA_CHUNK + 3 * g) + 64
-    chunk = 4 * GQA_CHUNK * (2 * hd + 4)
+    chunk = eb * GQA_CHUNK * (2 * hd + 16 // eb)
+    sums = 4 * (GQA_THREADS // (width // 4)) * g * hd
+    least = max(2, -(-sums // chunk))
     fit = min(GQA_MAX_STAGES, (smem_limit - static) // chunk)
-    stages = min(stages, fit) if stages else fit
-    if stages < 2:
-        raise ValueError(f"grouped decode attention needs two buffers of {chunk} bytes; a block has {smem_limit}")
+    if fit < least:
+        raise ValueError(f"grouped decode attention needs {least} buffers of {chunk} bytes; a block has {smem_limit}")
+    stages = max(least, min(stages, fit)) if stages else fit
     return stages, stages * chunk
 
 
-def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None) -> tuple[str, int, int, int]:
+def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None,
+         cache: str = "f32") -> tuple[str, int, int, int]:
     """(kernel, blocks of heads, threads, splits) of decode attention for a cache of n_ctx.
     grouped: a block per key head and its query heads (attn_decode_gqa: the rows read once
     per key head), else a block per query head. splits: forced blocks per head (None: one
     wave, at most the cache's chunks)."""
-    if grouped and not can_group(hp):
+    if grouped and not can_group(hp, cache):
         raise ValueError(f"grouped decode attention takes groups of {GQA_GROUPS} query heads and heads of up to "
-                         f"128 (multiples of 4); this model has {hp.n_head // hp.n_head_kv} and {hp.head_dim}")
+                         f"128 (multiples of {16 // ELEMENT_BYTES[cache]} with a {cache} cache); this model has "
+                         f"{hp.n_head // hp.n_head_kv} and {hp.head_dim}")
     if grouped:
         splits = min(splits, GQA_SPLIT_CAP) if splits else max(1, min(sm_count // hp.n_head_kv, GQA_MAX_SPLITS,
                                                                       -(-n_ctx // GQA_CHUNK)))
@@ -71,16 +82,16 @@ def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None
     return ModelSpec.decode_kernel(hp.head_dim), hp.n_head, ATTN_DECODE_THREADS, splits
 
 
-def grouped_at(hp, pos0: int, smem_limit: int | None = None) -> bool:
+def grouped_at(hp, pos0: int, smem_limit: int | None = None, cache: str = "f32") -> bool:
     """The step at position pos0 (known on the host: the backend captures a graph per
     choice) takes the grouped kernel: where it has a variant for the heads and, given a
-    block's shared memory on the card, where its ring's two buffers fit (else the per-head
+    block's shared memory on the card, where its ring's least buffers fit (else the per-head
     kernel, which needs no more than 17 KB)."""
-    if not (can_group(hp) and pos0 + 1 >= GQA_MIN_KV):
+    if not (can_group(hp, cache) and pos0 + 1 >= GQA_MIN_KV):
         return False
     if smem_limit is not None:
         try:
-            ring(hp, smem_limit)
+            ring(hp, smem_limit, cache=cache)
         except ValueError:
             return False
     return True

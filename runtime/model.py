@@ -20,7 +20,7 @@ BACKENDS = ("cuda", "numpy")
 class Model:
     def __init__(self, f: GGUFFile, backend: str = "cuda", *, n_ctx: int | None = None, n_ubatch: int = 512,
                  numerics: str = "float", merge_gate_up: bool = True, attn_precision: str | None = None,
-                 progress=None):
+                 cache_type: str = "f32", progress=None):
         arch_name = f.architecture
         if arch_name not in ARCHS:
             raise GGUFError(f"{f.path}: architecture {arch_name!r} is not supported (moeforge runs "
@@ -31,10 +31,10 @@ class Model:
         self.file, self.path, self.arch, self.hp = f, f.path, arch_name, refs.hp
         if backend == "numpy":
             from .backend_numpy import NumpyBackend
-            self.backend = NumpyBackend(self.hp, numerics, attn_precision)
+            self.backend = NumpyBackend(self.hp, numerics, attn_precision, cache_type)
         elif backend == "cuda":
             from .backend_cuda import CudaBackend
-            self.backend = CudaBackend(self.hp, attn_precision)
+            self.backend = CudaBackend(self.hp, attn_precision, cache_type)
         else:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.weights = self.backend.upload(refs, progress)
@@ -151,14 +151,17 @@ class Model:
     def describe(self) -> str:
         return (f"{self.arch} {os.path.basename(self.path)}: {self.hp.n_layer} layers, d={self.hp.n_embd}, "
                 f"{self.hp.n_expert} experts (top {self.hp.n_expert_used}), vocab {self.hp.n_vocab}, "
-                f"{self.n_params / 1e9:.2f} B params, {self.n_bytes / 2**30:.2f} GiB, backend {self.backend.name}")
+                f"{self.n_params / 1e9:.2f} B params, {self.n_bytes / 2**30:.2f} GiB, backend {self.backend.name}, "
+                f"{self.backend.cache_type} KV cache")
 
 
 def load_model(path, backend: str = "cuda", **kwargs) -> Model:
     """Load a GGUF model. backend: "cuda" (moeforge's kernels) or "numpy" (CPU reference;
     numerics="float" or "kernel"). attn_precision: the prompt attention's, "f16", "tf32" or
-    "f32" (default: f16 where the attention weights are quantized, else f32;
-    runtime.prompt_attention). Validation errors are GGUFError (a ValueError)."""
+    "f32" (default: f16 where the attention weights are quantized or the cache is f16, else
+    f32; runtime.prompt_attention). cache_type: the KV cache's, "f32" (the default: exact)
+    or "f16" (half the memory and of what attention reads; llama.cpp's default, with its
+    range: values past 65504 become inf). Validation errors are GGUFError (a ValueError)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cuda":

@@ -12,7 +12,8 @@ range, 10-bit mantissas) or "f32" (the default of float models). Kernels
   truncated to it (the tensor cores read their float32 as it is); sums float32.
 - attn_prefill: float32 FMA throughout.
 Both tensor-core kernels run the softmax online in base 2, in two halves of each 64-key tile
-merged at the end.
+merged at the end. An f16 KV cache holds what attn_prefill_f16 would round the keys and
+values to, so it is the one kernel built for such a cache (the same bits, no conversion).
 """
 from __future__ import annotations
 
@@ -30,21 +31,24 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = None) -> str | None:
+def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = None, cache: str = "f32") -> str | None:
     """The prompt attention kernel for these heads at this precision, None where none takes
     them (cuBLAS then, eagerly). The tensor-core kernels (sm_80+): query heads in groups of
     up to 8, head widths up to 128, multiples of 16 (f16) or 32 (tf32). attn_prefill (float32
     FMA, also where a tensor-core one cannot run): groups of up to 16, widths multiples of 4
-    up to 128. smem_limit: a block's shared memory on the card (none: any fits)."""
+    up to 128, a float32 cache. smem_limit: a block's shared memory on the card (none: any
+    fits). cache: the KV cache's type ("f16" takes precision "f16")."""
     check_precision(precision)
     if hp.n_head % hp.n_head_kv or hp.head_dim > 128:
         return None
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
-    fits = lambda kernel: smem_limit is None or smem_bytes(hp, kernel, bufs=1) <= smem_limit  # noqa: E731
+    fits = lambda kernel: smem_limit is None or smem_bytes(hp, kernel, bufs=1, cache=cache) <= smem_limit  # noqa: E731
     kernel = TENSOR_CORE.get(precision)
     width = 16 if precision == "f16" else 32
     if kernel and int(cc.split(".")[0]) >= 8 and g <= 8 and hd % width == 0 and fits(kernel):
         return kernel
+    if cache != "f32":
+        return None
     return "attn_prefill" if g <= 16 and hd % 4 == 0 and fits("attn_prefill") else None
 
 
@@ -55,24 +59,29 @@ def threads(hp, kernel: str) -> int:
     return 32 * (hp.n_head // hp.n_head_kv) if kernel == "attn_prefill" else 512
 
 
-def smem_bytes(hp, kernel: str, bufs: int = 2) -> int:
+def smem_bytes(hp, kernel: str, bufs: int = 2, cache: str = "f32") -> int:
     """A block's dynamic shared memory, row strides as in the kernels: attn_prefill holds q
     rows, two key and two value tiles and the probabilities (floats); attn_prefill_tc q rows
     (tf32) and `bufs` 64-key tiles of keys and values (float32); attn_prefill_f16 q rows and
-    one key and value tile (f16) and `bufs` staging tiles of keys and values (float32)."""
+    one key and value tile (f16) and `bufs` staging tiles of keys and values (float32), or
+    with an f16 cache `bufs` key and value tiles (f16), and at least the halves' merge (O of
+    each head, float32)."""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     rows = ROWS[kernel]
     if kernel == "attn_prefill_f16":
-        return 2 * (g * rows * (hd + 8) + 2 * KEYS * (hd + 8)) + 4 * 2 * bufs * KEYS * hd
+        merge = 16 * g * (hd // 8 + 1) * 32
+        if cache == "f16":
+            return max(merge, 2 * (g * rows * (hd + 8) + 2 * bufs * KEYS * (hd + 8)))
+        return max(merge, 2 * (g * rows * (hd + 8) + 2 * KEYS * (hd + 8)) + 4 * 2 * bufs * KEYS * hd)
     if kernel == "attn_prefill_tc":
         return 4 * (g * rows * (hd + 4) + bufs * KEYS * (hd + 4) + bufs * KEYS * (hd + 8))
     return 4 * (g * rows * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * rows * 32)
 
 
-def tile_buffers(hp, smem_limit: int, kernel: str = "attn_prefill_f16") -> int:
+def tile_buffers(hp, smem_limit: int, kernel: str = "attn_prefill_f16", cache: str = "f32") -> int:
     """A tensor-core kernel's key tiles in flight: two (the next copied while this one is
     used) where a block has the room, else one."""
-    return 2 if smem_bytes(hp, kernel, bufs=2) <= smem_limit else 1
+    return 2 if smem_bytes(hp, kernel, bufs=2, cache=cache) <= smem_limit else 1
 
 
 def _top19(a, half_ulp: int) -> np.ndarray:

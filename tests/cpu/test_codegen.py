@@ -43,7 +43,7 @@ def test_every_instance_renders_with_its_symbol():
     for s in SPECS:
         src = render(s)
         if isinstance(s, (UtilSpec, ModelSpec)):
-            assert all(f" {k}(" in src for k in s.KERNELS)
+            assert all(f" {k}(" in src for k in s.kernels)
         else:
             assert f" {s.symbol}(" in src
 

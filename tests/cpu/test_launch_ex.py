@@ -78,22 +78,25 @@ def _kernels(src: str) -> dict:
     return out
 
 
-def test_every_model_kernel_waits_before_it_touches_memory():
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+def test_every_model_kernel_waits_before_it_touches_memory(cache):
     """The model kernels are all launched with PDL: each must wait for the grid before it
-    first thing, or it could read a buffer its predecessor is still writing."""
+    first thing, or it could read a buffer its predecessor is still writing (both KV cache
+    types' modules)."""
     from moeforge.codegen.spec import ModelSpec
-    bodies = _kernels(render(ModelSpec()))
-    assert set(bodies) == set(ModelSpec.KERNELS)
+    spec = ModelSpec(cache=cache)
+    bodies = _kernels(render(spec))
+    assert set(bodies) == set(spec.kernels)
     # these request constant model weights (norm weights, the router), or the KV cache
     # of earlier steps, before the wait
     decode = {n for n in bodies if n.startswith("attn_decode_")}
     assert len(decode) == len(ModelSpec.DECODE_WIDTHS) + 6       # + the grouped ones
     prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route", "router_route_cluster"} | decode
-    rows = render(ModelSpec())
+    rows = render(spec)
     src_helper = rows[rows.index("void attn_rows("):]
     src_helper = src_helper[:src_helper.index("\n}\n")]
     assert "t < lim" in src_helper            # rows at lim and past it are zeros, never read
-    ring_request = rows[rows.index("void request(float* buf,"):]
+    ring_request = rows[rows.index("void request(kv_t* buf,"):]
     ring_request = ring_request[:ring_request.index("\n    }\n")]
     assert "if (base + row[k] < lim)" in ring_request     # the grouped kernel's ring: rows below lim only
     for name, body in bodies.items():
@@ -115,8 +118,7 @@ def test_every_model_kernel_waits_before_it_touches_memory():
         for touched in ("x[", "xr", "yr", "yt", "xt[", "x4", "out", "logits", "ids", "wts", "counter",
                         "xq", "xds", "atomic", "__syncthreads", "sh["):
             assert touched not in pre, f"{name} touches {touched!r} before its wait"
-    src = render(ModelSpec())
-    helper = src[src.index("void pdl_enter()"):]
+    helper = rows[rows.index("void pdl_enter()"):]
     assert helper.index("griddepcontrol.wait") < helper.index("griddepcontrol.launch_dependents")
 
 

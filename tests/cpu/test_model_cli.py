@@ -109,6 +109,10 @@ def test_perplexity_and_run_on_numpy(tiny, tmp_path, capsys):
     assert main(["run", tiny, "-p", "Hello", "-n", "3", "--backend", "numpy"]) == 0
     assert capsys.readouterr().out.startswith("Hello")
     assert main(["run", tiny, "-p", "Hello", "-n", "3", "--backend", "numpy", "--attn-precision", "tf32"]) == 0
+    assert main(["run", tiny, "-p", "Hello", "-n", "3", "--backend", "numpy", "--cache-type", "f16"]) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+    with pytest.raises(SystemExit):
+        main(["run", tiny, "-p", "Hello", "--backend", "numpy", "--cache-type", "q8_0"])
     with pytest.raises(SystemExit):
         main(["run", tiny, "-p", "Hello", "--backend", "numpy", "--attn-precision", "bf16"])
 

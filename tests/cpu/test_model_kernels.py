@@ -9,18 +9,36 @@ from moeforge.codegen.render import render
 from moeforge.codegen.spec import ModelSpec
 
 
+@pytest.mark.parametrize("cache", ModelSpec.CACHE_TYPES)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_model_kernels_compile(arch, tmp_path):
-    compiled = compile_spec(ModelSpec(), arch, tmp_path)
+def test_model_kernels_compile(arch, cache, tmp_path):
+    """Both modules (a float32 and an f16 KV cache) build, and on sm_90 the attention
+    kernels of Qwen3's heads do not spill (on sm_80 the per-head decode kernel of an f16
+    cache spills 12 bytes at its 128 registers; attn_prefill 4 bytes with either)."""
+    spec = ModelSpec(cache=cache)
+    compiled = compile_spec(spec, arch, tmp_path)
     assert compiled.cubin.stat().st_size > 0
-    assert set(ModelSpec.KERNELS) <= set(compiled.info), sorted(set(ModelSpec.KERNELS) - set(compiled.info))
+    assert set(spec.kernels) <= set(compiled.info), sorted(set(spec.kernels) - set(compiled.info))
+    if arch == "sm_90":
+        for k in ("attn_decode_h128", "attn_decode_gqa_g8h128", "attn_prefill_f16"):
+            assert compiled.info[k]["spill_stores"] == 0, (k, compiled.info[k])
 
 
-def test_every_kernel_is_listed():
-    src = render(ModelSpec())
-    for k in ModelSpec.KERNELS:
+@pytest.mark.parametrize("cache", ModelSpec.CACHE_TYPES)
+def test_every_kernel_is_listed(cache):
+    spec = ModelSpec(cache=cache)
+    src = render(spec)
+    for k in spec.kernels:
         assert re.search(rf'extern "C" __global__ void (RC_CLUSTER )?(__launch_bounds__\([\w, *]+\)\s+)?{k}\(', src), k
-    assert src.count('extern "C" __global__') == len(ModelSpec.KERNELS)
+    assert src.count('extern "C" __global__') == len(spec.kernels)
+    assert f"typedef {'u16' if cache == 'f16' else 'float'} kv_t;" in src
+
+
+def test_an_f16_cache_module_is_its_own_instance():
+    assert ModelSpec(cache="f16").name == "model-e512h256-cf16" and ModelSpec().name == "model-e512h256"
+    assert set(ModelSpec().kernels) - set(ModelSpec(cache="f16").kernels) == {"attn_prefill", "attn_prefill_tc"}
+    with pytest.raises(ValueError, match="cache must be one of"):
+        ModelSpec(cache="q8_0").check()
 
 
 def test_the_limits_size_the_kernels():
@@ -100,14 +118,35 @@ def test_grouped_decode_ring_fills_the_block_and_holds_the_outputs():
     assert ring(qwen, 10**7)[0] == GQA_MAX_STAGES
     assert ring(qwen, 232448, stages=3) == (3, 3 * chunk)      # forced fewer (tests)
     assert ring(qwen, 101376, stages=5)[0] == 2                # never more than fit
-    with pytest.raises(ValueError, match="two buffers"):
+    with pytest.raises(ValueError, match="needs 2 buffers"):
         ring(qwen, 49152)
     for heads in ((16, 2, 16), (16, 2, 64), (8, 4, 68), (32, 4, 128)):    # the phases' sums fit two buffers
         g, hd = heads[0] // heads[1], heads[2]
         phases = 256 // ((64 if hd <= 64 else 128) // 4)
         assert 2 * 4 * GQA_CHUNK * (2 * hd + 4) >= 4 * phases * g * hd
+        assert ring(attn_hparams(*heads), 10**7, stages=2)[0] == 2
     assert not can_group(attn_hparams(8, 4, 66))              # rows copied 16 bytes at a time
     assert plan(qwen, 8192, 132, True, splits=10**4)[3] == GQA_SPLIT_CAP
+
+
+def test_grouped_decode_ring_of_an_f16_cache():
+    """Half the bytes a chunk (keys padded by 8 halves a row): more buffers fit, but the
+    phases' float32 sums, which the ring takes after the sweep, may need more than two."""
+    from conftest import attn_hparams
+
+    from moeforge.runtime.decode_attention import GQA_CHUNK, GQA_MAX_STAGES, can_group, ring
+    qwen = attn_hparams(32, 4, 128)
+    chunk = 2 * GQA_CHUNK * (2 * 128 + 8)
+    assert ring(qwen, 232448, cache="f16") == (GQA_MAX_STAGES, GQA_MAX_STAGES * chunk)
+    assert ring(qwen, 101376, cache="f16") == (5, 5 * chunk)
+    assert ring(qwen, 232448, stages=2, cache="f16") == (2, 2 * chunk)        # 8 x 8 x 128 floats: 2 hold them
+    narrow = attn_hparams(16, 2, 64)                             # 16 phases x 8 heads x 64 floats = 32 KiB
+    chunk = 2 * GQA_CHUNK * (2 * 64 + 8)
+    assert ring(narrow, 232448, stages=2, cache="f16") == (4, 4 * chunk)      # raised to what holds them
+    with pytest.raises(ValueError, match="needs 4 buffers"):
+        ring(narrow, 4 * chunk + 11000, cache="f16")
+    assert can_group(attn_hparams(8, 4, 68)) and not can_group(attn_hparams(8, 4, 68), "f16")   # 16 bytes: 8 halves
+    assert can_group(attn_hparams(8, 4, 72), "f16")
 
 
 def test_the_step_takes_the_grouped_kernel_from_its_position():

@@ -207,3 +207,29 @@ def test_prompt_attention_precision(tiny):
     assert load_model(tiny, backend="numpy").backend.attn_tc is None      # float numerics: float64
     with pytest.raises(ValueError, match="attn_precision must be one of"):
         load_model(tiny, backend="numpy", attn_precision="bf16")
+
+
+def test_f16_cache_on_the_numpy_backend(tiny):
+    """An f16 KV cache holds half the bytes, each value numpy's float16 of the float32
+    cache's (nearest even): the logits move a little (they must move: the rounding happened)
+    and keep every top-1 token; it takes f16 attention and refuses anything else."""
+    toks = list(range(3, 40))
+    runs = {}
+    for cache_type in ("f32", "f16"):
+        m = load_model(tiny, backend="numpy", cache_type=cache_type)
+        runs[cache_type] = (m.logits(toks), m.cache)
+        assert m.backend.attn_precision == "f16" and f"{cache_type} KV cache" in m.describe()
+    (l32, c32), (l16, c16) = runs["f32"], runs["f16"]
+    assert c16.k.dtype == np.float16 and c16.nbytes * 2 == c32.nbytes
+    n = len(toks)
+    # the first layer's rows (later layers' inputs already differ by the rounding)
+    np.testing.assert_array_equal(c16.k[0, :n], c32.k[0, :n].astype(np.float16))
+    np.testing.assert_array_equal(c16.v[0, :n], c32.v[0, :n].astype(np.float16))
+    assert not np.array_equal(l16, l32)
+    assert (l16.argmax(-1) == l32.argmax(-1)).all()
+    rel = np.abs(l16 - l32).max() / np.abs(l32).max()
+    assert rel < 1e-2, rel
+    with pytest.raises(ValueError, match="attn_precision must be f16"):
+        load_model(tiny, backend="numpy", cache_type="f16", attn_precision="f32")
+    with pytest.raises(ValueError, match="cache_type must be one of"):
+        load_model(tiny, backend="numpy", cache_type="q8_0")

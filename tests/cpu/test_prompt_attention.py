@@ -204,18 +204,21 @@ def _mma_m16n8k16(d, a, b0, b1):
         d[t] += np.array([C[gr, c], C[gr, c + 1], C[gr + 8, c], C[gr + 8, c + 1]])
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("hd", [128, 48])
-def test_ldmatrix_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd):
+def test_ldmatrix_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache):
     """attn_prefill_f16's q, key and (transposed) value row addresses, as the rendered kernel
-    writes them, fed through ldmatrix and m16n8k16 as PTX defines them: each warp half's S
-    must be q . k^T of its 32 keys in natural order, and O its S (as P, in the registers S
-    left it in) times the value rows."""
+    writes them (for either cache: the tiles' layout is the same), fed through ldmatrix and
+    m16n8k16 as PTX defines them: each warp half's S must be q . k^T of its 32 keys in
+    natural order, and O its S (as P, in the registers S left it in) times the value rows."""
     from moeforge.codegen.render import render
     from moeforge.codegen.spec import ModelSpec
-    src = render(ModelSpec())
+    src = render(ModelSpec(cache=cache))
     body = src[src.index("attn_prefill_f16("):]
-    expr = {name: re.search(rf"const unsigned short\* {name} = (\w+) \+ (.+?);", body).group(2)
-            for name in ("qa", "ka", "va")}
+    expr = {"qa": re.search(r"const unsigned short\* qa = Qh \+ (.+?);", body).group(1)}
+    for name in ("ka", "va"):     # the tile's base plus an offset
+        assert re.search(rf"const unsigned short\* {name} = [KV]h \+ {name}_off;", body), name
+        expr[name] = re.search(rf"const int {name}_off = (.+?);", body).group(1)
     for call in ("ldsm_x4(a, qa + c);", "ldsm_x4(b01, ka + c);", "ldsm_x4(b23, ka + 16 * ls + c);",
                  "ldsm_x4_trans(b, va + kb * 16 * ls + np * 16);", "mma_f16(o[2 * np], a, b[0], b[1]);",
                  "mma_f16(o[2 * np + 1], a, b[2], b[3]);", "const unsigned a[4] = {f16x2_of(s[2 * kb][0], "

@@ -27,12 +27,12 @@ HEADS = [
 N_KV = [1, 2, 37, 128, 129, 700]
 
 
-def _setup(heads, n_kv, rng):
+def _setup(heads, n_kv, rng, cache_type="f32"):
     import cupy as cp
 
     from moeforge.runtime.backend_cuda import CudaBackend
     hp = attn_hparams(*heads)
-    B = CudaBackend(hp)
+    B = CudaBackend(hp, cache_type=cache_type)
     cache = B.new_cache(n_kv + 5)
     il = 1
     kc = rng.standard_normal((cache.n_ctx, hp.kv_dim)).astype(np.float32)
@@ -42,10 +42,10 @@ def _setup(heads, n_kv, rng):
     return cp, hp, B, cache, il, kc, vc, q, pos
 
 
-def _grouped(heads):
+def _grouped(heads, cache="f32"):
     """The kernels that take these heads: per query head always, per key head where the
     grouped kernel has a variant."""
-    return [False] + ([True] if can_group(attn_hparams(*heads)) else [])
+    return [False] + ([True] if can_group(attn_hparams(*heads), cache) else [])
 
 
 GROUPED_HEADS = [h for h in HEADS if True in _grouped(h)] + [(16, 4, 128), (8, 4, 64)]
@@ -58,6 +58,7 @@ def _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, label):
     within 2e-5, the same bits on a second launch, every split counter back at zero."""
     kc[n_kv:] = np.nan
     vc[n_kv:] = np.nan
+    kc, vc = kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)     # an f16 cache: what it holds
     with B.context():
         cache.k[il].set(kc)
         cache.v[il].set(vc)
@@ -71,6 +72,7 @@ def _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, label):
     assert (B._attn_counts.get() == 0).all()
     err = np.abs(got - exact).max()
     assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"{label}: max abs error {err:.2e}"
+    return got
 
 
 @pytest.mark.parametrize("heads,grouped,n_kv,splits", [
@@ -87,32 +89,54 @@ def test_attn_decode_matches_float64(heads, grouped, n_kv, splits, rng):
     _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, ModelSpec.decode_kernel(hp.head_dim))
 
 
+F16_SPLITS = [(1, None), (37, None), (129, None), (700, None), (700, 3), (40, 5), (2000, None)]
+
+
+@pytest.mark.parametrize("heads,grouped,n_kv,splits", [
+    (h, g, n, s) for h in HEADS + [(16, 4, 128), (8, 4, 64)] for g in _grouped(h, "f16") for n, s in F16_SPLITS])
+def test_f16_cache_is_the_float32_kernel_on_its_rounded_rows(heads, grouped, n_kv, splits, rng):
+    """The kernels built for an f16 cache convert each element exactly and then compute as
+    the float32 cache's do: the same bits as those on a float32 cache holding the same
+    (rounded) rows, and float64 on those rows within 2e-5 (the usual checks)."""
+    seed = int(rng.integers(2**31))           # fresh every run, the same inputs for both caches
+    outs = []
+    for cache_type in ("f16", "f32"):
+        cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, np.random.default_rng(seed), cache_type)
+        B.decode_attn_splits, B.decode_attn_grouped = splits, grouped
+        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
+        outs.append(_check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, cache_type))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
 @pytest.mark.parametrize("heads,stages,n_kv,splits", [
     ((32, 4, 128), 2, 5000, 128),   # 128 splits' records in 8 batches of 16 (what two buffers hold)
-    ((16, 2, 64), 2, 2000, 40),     # 40 in three batches of 16
+    ((16, 2, 64), 2, 2000, 40),     # 40 in three batches of 16 (f16: a ring of 4, raised to hold the sums)
     ((16, 2, 64), 3, 2000, 3),      # 21 chunks a block through a ring of 3
     ((8, 4, 64), 5, 777, 1),        # one block per key head, the ring wrapping 5 times
 ])
-def test_grouped_ring_wraps_and_the_merge_goes_in_batches(heads, stages, n_kv, splits, rng):
+def test_grouped_ring_wraps_and_the_merge_goes_in_batches(heads, stages, n_kv, splits, cache_type, rng):
     """The grouped kernel with fewer ring buffers than the card holds (as on cards with less
     shared memory): chunks through a wrapping ring, and the last block of a key head merging
     the splits' records in batches of what the ring holds: float64 within 2e-5, the same
     bits on a second launch, the counters back at zero."""
-    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng, cache_type)
     B.decode_attn_grouped, B.decode_attn_splits, B.decode_attn_stages = True, splits, stages
     _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, "attn_decode_gqa")
 
 
 @pytest.mark.parametrize("n_kv", [1, 37, 129, 700, 4 * ATTN_DECODE_CHUNK + 1])
-@pytest.mark.parametrize("heads,grouped", [(h, g) for h in [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32),
-                                                            (16, 4, 128)] for g in _grouped(h)])
-def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, grouped, n_kv, rng):
+@pytest.mark.parametrize("heads,grouped,cache_type", [
+    (h, g, c) for c in ("f32", "f16") for h in [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32), (16, 4, 128)]
+    for g in _grouped(h, c)])
+def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, grouped, cache_type, n_kv, rng):
     """Fused (q, k and v straight from the projections): the output and the whole cache,
     bit for bit, those of qk_norm_rope_store followed by the attention; the current row in
     the cache is poisoned before the fused launch (it must come from the registers; with
     splits, of the block whose chunk holds it: 5 chunks, the current position the first
-    of the last)."""
-    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    of the last). An f16 cache: the row the attention uses from its registers is rounded
+    as the cache holds it, so both still agree bit for bit."""
+    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng, cache_type)
     B.decode_attn_splits = 3 if n_kv > ATTN_DECODE_CHUNK else None
     B.decode_attn_grouped = grouped
     k = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
@@ -121,6 +145,7 @@ def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, grou
                         k_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)))
     kc[n_kv - 1:] = np.nan
     vc[n_kv - 1:] = np.nan
+    kc, vc = kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)
     results = []
     with B.context():
         for fused in (False, True):
