@@ -12,15 +12,14 @@ from moeforge.codegen.spec import ModelSpec
 @pytest.mark.parametrize("cache", ModelSpec.CACHE_TYPES)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_model_kernels_compile(arch, cache, tmp_path):
-    """Both modules (a float32 and an f16 KV cache) build, and on sm_90 the attention
-    kernels of Qwen3's heads do not spill (on sm_80 the per-head decode kernel of an f16
-    cache spills 12 bytes at its 128 registers; attn_prefill 4 bytes with either)."""
+    """Both modules (a float32 and an f16 KV cache) build, and the decode attention kernels
+    and attn_prefill_f16 do not spill (the FMA prompt kernel spills 4 bytes on sm_80)."""
     spec = ModelSpec(cache=cache)
     compiled = compile_spec(spec, arch, tmp_path)
     assert compiled.cubin.stat().st_size > 0
     assert set(spec.kernels) <= set(compiled.info), sorted(set(spec.kernels) - set(compiled.info))
-    if arch == "sm_90":
-        for k in ("attn_decode_h128", "attn_decode_gqa_g8h128", "attn_prefill_f16"):
+    for k in spec.kernels:
+        if k.startswith("attn_decode") or k == "attn_prefill_f16":
             assert compiled.info[k]["spill_stores"] == 0, (k, compiled.info[k])
 
 
@@ -79,7 +78,7 @@ def test_decode_attention_splits_fill_one_wave_once_the_context_is_long():
     src = render(ModelSpec())
     assert "#define ATTN_THREADS 512" in src and "{% set U = 8" not in src
     body = src[src.index("attn_decode_h128("):]
-    assert "constexpr int P = 2, U = 8, NW = ATTN_THREADS / 32, CHUNK = U * NW;" in body[:1500]
+    assert "constexpr int P = 2, V = 4, U = 8, NW = ATTN_THREADS / 32, CHUNK = U * NW;" in body[:1500]
     assert 8 * 512 // 32 == ATTN_DECODE_CHUNK
 
 
