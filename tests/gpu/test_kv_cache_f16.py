@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import attn_hparams, kl_per_token
+from conftest import attention64, attn_hparams, kl_per_token
 
 from moeforge.runtime.model import load_model
 from moeforge.runtime.prompt_attention import kernel_for
@@ -178,3 +178,31 @@ def test_bench_with_an_f16_cache(tmp_path, capsys):
     assert main(["bench", path, "-p", "64", "-n", "16", "-r", "2", "-d", "0,100", "--cache-type", "f16"]) == 0
     out = capsys.readouterr().out
     assert "type_kv" in out and "f16" in out and "pp64 @ d100" in out, out
+
+
+@pytest.mark.parametrize("heads,pos0,n", [
+    ((6, 3, 36), 5, 40),          # a width of 4s, not of 16s: attn_prefill_f16 does not take it
+    ((64, 4, 128), 33, 19),       # 16 query heads a group (Qwen3-235B): neither does it
+])
+def test_f16_cache_prompt_heads_no_kernel_takes(heads, pos0, n, rng):
+    """Where no prompt attention kernel is built for an f16 cache (the FMA one reads float32
+    tiles), the prompt goes through cuBLAS on float32 copies of the rows: float64 on the
+    rounded rows within 2e-5."""
+    import cupy as cp
+    hp = attn_hparams(*heads)
+    B = _backend(hp, "f16")
+    info = B._device()
+    assert kernel_for(hp, info["cc"], "f16", info["smem_per_block_optin"], "f16") is None
+    ctx, il = pos0 + n + 3, 0
+    kc = rng.standard_normal((ctx, hp.kv_dim)).astype(np.float16)
+    vc = rng.standard_normal((ctx, hp.kv_dim)).astype(np.float16)
+    q = rng.standard_normal((n, hp.q_dim)).astype(np.float32)
+    pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+    cache = B.new_cache(ctx)
+    with B.context():
+        cache.k[il].set(kc)
+        cache.v[il].set(vc)
+        got = cp.asnumpy(B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn"))
+    exact = attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos, hp)
+    err = np.abs(got - exact).max()
+    assert err < 2e-5 * max(1.0, np.abs(exact).max()), f"max abs error {err:.2e}"
