@@ -88,7 +88,7 @@ def format_llama_bench(model, rows, backend_label: str) -> str:
     params = f"{model.n_params / 1e9:.2f} B" if model.n_params >= 1e9 else f"{model.n_params / 1e6:.2f} M"
     body = [[model_label(model), size, params,
              backend_label, "99", r["test"], f"{r['t_s_mean']:.2f} ± {r['t_s_std']:.2f}"] for r in rows]
-    cache = getattr(model.backend, "cache_type", "f32")
+    cache = model.backend.cache_type
     if cache != "f32":      # as llama-bench shows type_k and type_v where they are not its default
         head.insert(5, "type_kv")
         for b in body:

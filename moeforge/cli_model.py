@@ -83,7 +83,8 @@ def _attn_precision_arg(parser) -> None:
     parser.add_argument("--attn-precision", default=None, choices=("f16", "tf32", "f32"),
                         help="prompt attention (default: f16 where the attention weights are quantized or the "
                              "cache is f16, else f32)")
-    parser.add_argument("--cache-type", default="f32", choices=("f32", "f16"),
+    from .codegen.spec import ModelSpec
+    parser.add_argument("--cache-type", default="f32", choices=ModelSpec.CACHE_TYPES,
                         help="the KV cache's type (default f32; f16 halves its memory and what attention reads, "
                              "as llama.cpp's default cache)")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..codegen.spec import ModelSpec
 from . import prompt_attention
 from .arch_qwen3moe import HParams, ModelRefs
 
@@ -42,7 +43,9 @@ class Weights:
     layers: list[LayerWeights]
 
 
+# the element of each KV cache type the model kernels are built for (codegen.spec.ModelSpec.cache)
 CACHE_TYPES = {"f32": np.float32, "f16": np.float16}
+assert tuple(CACHE_TYPES) == ModelSpec.CACHE_TYPES
 
 
 def check_cache_type(cache_type: str) -> str:

@@ -5,7 +5,10 @@ rows read once per key head); either split over several blocks per head (flash-d
 once the cache is long. The backend launches the plan (backend_cuda.attention)."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..codegen.spec import ModelSpec
+from .backend import CACHE_TYPES
 
 ATTN_DECODE_THREADS = 512   # attn_decode.cuh.j2's ATTN_THREADS
 ATTN_DECODE_CHUNK = 128     # positions a block takes at a time (U * warps for heads up to 128)
@@ -27,7 +30,7 @@ def splits_per_head(hp, n_ctx: int, sm_count: int) -> int:
     return max(1, min(sm_count // hp.n_head, -(-n_ctx // ATTN_DECODE_CHUNK), 256))
 
 
-ELEMENT_BYTES = {"f32": 4, "f16": 2}   # a KV cache element (codegen.spec.ModelSpec.cache)
+ELEMENT_BYTES = {c: np.dtype(t).itemsize for c, t in CACHE_TYPES.items()}   # a KV cache element
 
 
 def can_group(hp, cache: str = "f32") -> bool:
