@@ -6,6 +6,14 @@ quant bytes (`qs`, a contiguous range of the block) and everything else (`meta`:
 minimums, high bits that sit outside that range). The split makes every quant row 16-byte
 aligned, whatever the block size, so kernels load with 16-byte copies; nothing is
 requantized and `to_blocks` gives back the GGUF bytes exactly.
+
+The kernels work in units of 32 weights (one q8_1 activation block, one k32 mma): a
+"kernel block". For the 32-weight formats that is the GGUF block; a K-quant super-block of
+256 weights is eight of them, and `qs_bytes` and `meta_bytes` are per kernel block (the
+super-block's 16 scale bytes count as 2 a kernel block). K-quants pair two sub-blocks in
+one byte (the low nibbles one, the high ones the next); the split moves each sub-block's
+nibbles into q4_0's order (byte j: value j low, value j+16 high), so the kernels load a
+q4_K sub-block exactly as a q4_0 block; `to_blocks` undoes it.
 """
 from __future__ import annotations
 
@@ -13,21 +21,32 @@ from dataclasses import dataclass
 
 import gguf
 
+KERNEL_BLOCK = 32   # weights per q8_1 activation block, the unit every kernel steps in
+
 
 @dataclass(frozen=True)
 class QuantType:
-    name: str            # the GGUF/ggml name, lower case: "q4_0"
+    name: str            # ggml's name: "q4_0", "q4_K"
     ggml_type: gguf.GGMLQuantizationType
-    block_values: int    # weights per block
+    block_values: int    # weights per GGUF block
     block_bytes: int     # bytes per GGUF block
-    qs_offset: int       # where the quant bytes start inside the block
-    qs_bytes: int        # how many quant bytes (a multiple of 16)
+    qs_offset: int       # where the quant bytes start inside the GGUF block
+    qs_bytes: int        # quant bytes per kernel block of 32 weights (a multiple of 16)
+    # K-quant nibble order: the GGUF block's quant bytes hold sub-blocks 2i and 2i+1 in the
+    # low and high nibbles of the same 32 bytes (the split reorders them, module doc).
+    paired_nibbles: bool = False
     # The activation quantization the kernels pair with this format; only q8_1 so far.
     act_type: str = "q8_1"
 
     @property
+    def sub_blocks(self) -> int:
+        """Kernel blocks (32 weights) per GGUF block."""
+        return self.block_values // KERNEL_BLOCK
+
+    @property
     def meta_bytes(self) -> int:
-        return self.block_bytes - self.qs_bytes
+        """Scale bytes per kernel block (a K-quant super-block's are shared by its eight)."""
+        return (self.block_bytes - self.qs_bytes * self.sub_blocks) // self.sub_blocks
 
     @property
     def template(self) -> str:
@@ -36,14 +55,15 @@ class QuantType:
 
     @property
     def pad_blocks(self) -> int:
-        """Meta rows are padded to a multiple of this many blocks (1024 weights), with
-        zeros, so that a k-chunk may run past the end of a row and read zero scales."""
-        return max(1, 1024 // self.block_values)
+        """Meta rows are padded to a multiple of this many kernel blocks (1024 weights),
+        with zeros, so that a k-chunk may run past the end of a row and read zero scales."""
+        return 1024 // KERNEL_BLOCK
 
     def blocks_per_row(self, k: int) -> int:
+        """Kernel blocks (32 weights) per row of k weights."""
         if k % self.block_values:
             raise ValueError(f"k={k} is not a multiple of the {self.name} block size {self.block_values}")
-        return k // self.block_values
+        return k // KERNEL_BLOCK
 
     def meta_stride(self, k: int) -> int:
         """Bytes per row of the meta region: padded blocks, rounded to 16 bytes."""
@@ -52,7 +72,8 @@ class QuantType:
         return -(-(padded * self.meta_bytes) // 16) * 16
 
     def row_bytes(self, k: int) -> int:
-        return self.blocks_per_row(k) * self.block_bytes
+        """GGUF bytes of a row of k weights."""
+        return self.blocks_per_row(k) // self.sub_blocks * self.block_bytes
 
 
 QUANT_TYPES: dict[str, QuantType] = {
@@ -62,13 +83,24 @@ QUANT_TYPES: dict[str, QuantType] = {
         QuantType("q4_0", gguf.GGMLQuantizationType.Q4_0, 32, 18, 2, 16),
         # d (f16) then 32 signed bytes
         QuantType("q8_0", gguf.GGMLQuantizationType.Q8_0, 32, 34, 2, 32),
+        # super-block of 256: d, dmin (f16), 12 bytes of eight 6-bit (scale, min) pairs,
+        # 128 bytes of nibbles; sub-block i: w = d * sc_i * q - dmin * m_i
+        QuantType("q4_K", gguf.GGMLQuantizationType.Q4_K, 256, 144, 16, 16, paired_nibbles=True),
     )
 }
+_BY_LOWER = {name.lower(): q for name, q in QUANT_TYPES.items()}
+
+
+def type_name(t: gguf.GGMLQuantizationType) -> str:
+    """ggml's own name of a tensor type: "q4_0", "f16", "q4_K" (K-quants keep the capital)."""
+    n = t.name.lower()
+    return n[:-2] + "_K" if n.endswith("_k") else n
 
 
 def quant_type(name: str) -> QuantType:
+    """The quant type of a name, any case ("q4_k", "Q4_K" and "q4_K" are one)."""
     try:
-        return QUANT_TYPES[name.lower()]
+        return _BY_LOWER[name.lower()]
     except KeyError:
         known = ", ".join(QUANT_TYPES)
         raise ValueError(f"unknown quant type {name!r}; moeforge knows {known}") from None

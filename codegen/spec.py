@@ -117,7 +117,7 @@ class ModelSpec(KernelSpec):
         return f"attn_decode_h{width}"
 
     KERNELS: ClassVar[tuple[str, ...]] = (
-        "get_rows_q4_0", "get_rows_q8_0", "rms_norm", "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128",
+        "get_rows_q4_0", "get_rows_q8_0", "get_rows_q4_K", "rms_norm", "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128",
         "attn_decode_h256", *(f"attn_decode_gqa_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route", "router_route_cluster",
         "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
@@ -201,15 +201,16 @@ class MmqSpec(KernelSpec):
 
     def check(self) -> None:
         q = self.quant
-        if q.block_values != 32:
-            raise ValueError(f"{self.name}: mmq handles 32-value blocks only")
+        if self.kblocks % q.sub_blocks:
+            # a stage's scales are whole super-blocks (quant_q4_K.cuh.j2 finds its own)
+            raise ValueError(f"{self.name}: kblocks must hold whole {q.name} super-blocks ({q.sub_blocks} blocks)")
         if self.x % 8 or not 8 <= self.x <= 128:
             raise ValueError(f"{self.name}: x must be a multiple of 8 in [8, 128]")
         if self.y % (16 * self.warps):
             raise ValueError(f"{self.name}: y must be a multiple of 16*warps")
         if self.kblocks not in (2, 4, 8, 16):
             raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
-        if self.kblocks * q.block_values > 1024:
+        if self.kblocks * 32 > 1024:
             raise ValueError(f"{self.name}: a stage spans more than 1024 values")
         if self.stages not in (2, 3, 4):
             raise ValueError(f"{self.name}: stages must be 2, 3 or 4")

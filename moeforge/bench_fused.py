@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from .bench import COLD_CALLS, COLD_SETS
+from .codegen.quant import quant_type
 
 # (name, E, top_k, n_ff, k, act, bias)
 FUSED_SHAPES = (("qwen3-30b-a3b", 128, 8, 768, 2048, "silu", False),
@@ -59,12 +60,14 @@ def run(qtypes, reps: int, info: dict, bw_gbs: float, rows: list, rng, sweep: bo
     from .tuning.timing import time_calls
     for qtype in qtypes:
         for name, E, top_k, n_ff, k, act, bias in FUSED_SHAPES:
-            one = E * 2 * n_ff * (k // 32) * (18 if qtype == "q4_0" else 34)
+            if k % quant_type(qtype).block_values:
+                continue   # gpt-oss's rows of 2880 hold no whole K-quant super-blocks
+            row_bytes = quant_type(qtype).row_bytes(k)
+            one = E * 2 * n_ff * row_bytes
             copies = max(2, math.ceil(4 * info["l2_bytes"] / one))
             wsets = _weights(qtype, E, n_ff, k, rng, copies)
             bg = cp.asarray(rng.standard_normal((E, n_ff)).astype(np.float32)) if bias else None
             bu = cp.asarray(rng.standard_normal((E, n_ff)).astype(np.float32)) if bias else None
-            row_bytes = (k // 32) * (18 if qtype == "q4_0" else 34)
             for n in FUSED_N:
                 xs = [cp.asarray(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(COLD_SETS)]
                 idss = [cp.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :top_k].astype(np.int32))

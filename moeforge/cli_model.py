@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+# synth.TYPES, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
+SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "f16", "f32")
+
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
@@ -93,8 +96,9 @@ def add_commands(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic GGUF model with real shapes and random weights")
     s.add_argument("out", metavar="OUT.gguf")
     s.add_argument("--arch", default="qwen3moe")
-    s.add_argument("--preset", default="qwen3-30b-a3b", help="qwen3-30b-a3b, qwen3-235b-a22b or tiny")
-    s.add_argument("--type", default="q4_0", choices=("q4_0", "q8_0", "f16", "f32"))
+    s.add_argument("--preset", default="qwen3-30b-a3b", help="qwen3-30b-a3b, qwen3-235b-a22b, tiny or tiny-k "
+                   "(tiny with rows of whole K-quant super-blocks)")
+    s.add_argument("--type", default="q4_0", choices=SYNTH_TYPES, help="type of every matrix")
     s.add_argument("--embd-type", default=None, help="type of token_embd (default: --type)")
     s.add_argument("--output-type", default=None, help="type of the output head (default: --type)")
     s.add_argument("--layers", type=int, default=None, help="override the preset's layer count")

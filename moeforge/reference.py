@@ -50,10 +50,11 @@ def quantize_q8_1(x: np.ndarray):
 def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
     """Weights as the kernels multiply them: integer quants (rows, k), the per-block
     multiplier (rows, nb) and the per-block offset multiplier (rows, nb) such that
-    contribution = mul * dx * idot + add * sx."""
+    contribution = mul * dx * idot + add * sx (nb kernel blocks of 32 a row)."""
     nb = k // 32
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, q.block_bytes)
-    d = blocks[:, :, 0:2].copy().view(np.float16).reshape(rows, nb).astype(np.float32)
+    nsb = k // q.block_values
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nsb, q.block_bytes)
+    d = blocks[:, :, 0:2].copy().view(np.float16).reshape(rows, nsb).astype(np.float32)
     if q.name == "q4_0":
         b = blocks[:, :, 2:18]
         ints = np.concatenate([b & 0x0F, b >> 4], axis=2).astype(np.int32)
@@ -61,7 +62,26 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
     if q.name == "q8_0":
         ints = blocks[:, :, 2:34].view(np.int8).astype(np.int32)
         return ints.reshape(rows, k), d, np.zeros_like(d)
+    if q.name == "q4_K":
+        dmin = blocks[:, :, 2:4].copy().view(np.float16).reshape(rows, nsb).astype(np.float32)
+        sc, mn = q4_k_scales(blocks[:, :, 4:16])
+        c = blocks[:, :, 16:144].reshape(rows, nsb, 4, 32)
+        ints = np.stack([c & 0x0F, c >> 4], axis=3).astype(np.int32)    # sub-blocks 2i, 2i+1
+        mul = (d[..., None] * sc).astype(np.float32)                     # exact: 11 x 6 bits
+        add = (-(dmin[..., None] * mn)).astype(np.float32)
+        return ints.reshape(rows, k), mul.reshape(rows, nb), add.reshape(rows, nb)
     raise NotImplementedError(f"no kernel emulation for {q.name}")
+
+
+def q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A q4_K super-block's 12 scale bytes (.., 12) -> (scales, mins) (.., 8) as float32:
+    sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7; 4-7 in the nibbles of bytes 8-11
+    with their top two bits in the high bits of bytes 0-3 and 4-7."""
+    p = packed.astype(np.int32)
+    lo, mid, hi = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
 
 
 def _expert_groups(ids: np.ndarray):
@@ -148,8 +168,12 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     q = _q(qtype)
     nb = k // q.block_values
     blocks = rng.integers(0, 256, size=(rows, nb, q.block_bytes), dtype=np.uint8)
-    d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb))).astype(np.float16)
-    blocks[:, :, 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
+    # the f16 scales (q4_K: d, then dmin) at the block's start
+    for at in range(0, 4 if q.name == "q4_K" else 2, 2):
+        d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb)))
+        if q.name == "q4_K":
+            d /= 32   # times 6-bit sub-block scales and mins: weights of the same size
+        blocks[:, :, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     return blocks.reshape(rows, nb * q.block_bytes)
 
 

@@ -22,8 +22,9 @@ from .codegen.quant import QUANT_TYPES
 from .synth_vocab import add_tokenizer
 
 ARCH = "qwen3moe"
-TYPES = ("f32", "f16", "q8_0", "q4_0")
-FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}   # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K")
+# llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K is closest to Q4_K_S (14)
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ PRESETS = {
                                  n_ff_exp=1536, n_expert=128, n_expert_used=8, n_ctx=40960, n_ff=12288),
     "tiny": SynthSpec(n_vocab=512, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32,
                       n_ff_exp=64, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, n_ff=256),
+    # the smallest whose every matrix row holds whole K-quant super-blocks (256 weights)
+    "tiny-k": SynthSpec(n_vocab=512, n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64,
+                        n_ff_exp=256, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, n_ff=512),
 }
 
 
@@ -141,6 +145,8 @@ class _Weights:
             b[:, 2] = (b[:, 2] & 0xF0) | 0x0F
         elif t == "q8_0":
             b[:, 2] = 127
+        elif t == "q4_K":   # value 0 of sub-blocks 2i and 2i+1: the two nibbles of byte 32i
+            b[:, 16::32] = 0xFF
         return b.reshape(-1)
 
     def float_tensor(self, name: str, shape, t: str) -> np.ndarray:
@@ -196,6 +202,10 @@ def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = 
         raise ValueError(f"source must be 'blocks' or 'float', got {source!r}")
     plan = tensor_plan(spec, qtype, embd_type=embd_type, output_type=output_type,
                        merged_gate_up=merged_gate_up, tied_output=tied_output)
+    for tname, shape, t in plan:
+        if t in QUANT_TYPES and shape[-1] % QUANT_TYPES[t].block_values:
+            raise ValueError(f"{tname}: rows of {shape[-1]} weights are not whole {t} blocks of "
+                             f"{QUANT_TYPES[t].block_values} (the tiny-k preset's rows are)")
     t0 = time.perf_counter()
     tmp = f"{path}.tmp{os.getpid()}"
     w = gguf.GGUFWriter(tmp, ARCH)

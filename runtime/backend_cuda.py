@@ -160,7 +160,7 @@ class CudaBackend(CudaMoeOps, Backend):
     # -- weights ------------------------------------------------------------------------------
     def matrix(self, ref, embedding: bool = False):
         if ref.quantized:
-            if embedding and ref.qtype not in ("q4_0", "q8_0"):
+            if embedding and f"get_rows_{ref.qtype}" not in ModelSpec.KERNELS:
                 raise ValueError(f"{ref.name}: embedding rows of {ref.qtype} cannot be read on the GPU yet")
             return GpuWeight(ref.qtype, ref.shape, q=QuantTensor.from_blocks(ref.load(), ref.qtype, ref.shape))
         from .backend_numpy import _float_rows

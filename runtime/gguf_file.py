@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..codegen.quant import QUANT_TYPES
+from ..codegen.quant import QUANT_TYPES, type_name
 
 # Types a weight matrix may have: moeforge's quantized formats and plain floats.
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -62,7 +62,7 @@ class GGUFFile:
         self.tensors: dict[str, TensorRef] = {}
         size = self.reader.data.size
         for t in self.reader.tensors:
-            qtype = t.tensor_type.name.lower()
+            qtype = type_name(t.tensor_type)
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))
             ref = TensorRef(t.name, qtype, shape, (lambda t=t: t.data))
             end = int(t.data_offset) + int(t.n_bytes)

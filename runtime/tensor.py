@@ -16,23 +16,48 @@ _ALIGN = 256
 
 
 def split_blocks(raw: np.ndarray, q: QuantType, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """GGUF blocks (rows x row_bytes, uint8) -> (qs [rows, nb*qs_bytes], meta [rows, meta_stride])."""
+    """GGUF blocks (rows x row_bytes, uint8) -> (qs [rows, nb*qs_bytes], meta [rows, meta_stride]),
+    nb kernel blocks a row."""
     nb = q.blocks_per_row(k)
-    blocks = np.ascontiguousarray(raw).reshape(rows, nb, q.block_bytes)
-    qs = blocks[:, :, q.qs_offset:q.qs_offset + q.qs_bytes].reshape(rows, nb * q.qs_bytes)
+    nsb = nb // q.sub_blocks
+    span = q.qs_bytes * q.sub_blocks
+    blocks = np.ascontiguousarray(raw).reshape(rows, nsb, q.block_bytes)
+    qs = blocks[:, :, q.qs_offset:q.qs_offset + span]
+    if q.paired_nibbles:
+        qs = _unpair_nibbles(qs)
     meta = np.zeros((rows, q.meta_stride(k)), dtype=np.uint8)
-    head, tail = blocks[:, :, :q.qs_offset], blocks[:, :, q.qs_offset + q.qs_bytes:]
+    head, tail = blocks[:, :, :q.qs_offset], blocks[:, :, q.qs_offset + span:]
     meta[:, :nb * q.meta_bytes] = np.concatenate([head, tail], axis=2).reshape(rows, nb * q.meta_bytes)
-    return np.ascontiguousarray(qs), meta
+    return np.ascontiguousarray(qs).reshape(rows, nb * q.qs_bytes), meta
 
 
 def join_blocks(qs: np.ndarray, meta: np.ndarray, q: QuantType, rows: int, k: int) -> np.ndarray:
     """The inverse of split_blocks: GGUF block bytes, (rows, row_bytes)."""
     nb = q.blocks_per_row(k)
-    qs = qs.reshape(rows, nb, q.qs_bytes)
-    m = meta[:, :nb * q.meta_bytes].reshape(rows, nb, q.meta_bytes)
+    nsb = nb // q.sub_blocks
+    qs = qs.reshape(rows, nsb, q.qs_bytes * q.sub_blocks)
+    if q.paired_nibbles:
+        qs = _pair_nibbles(qs)
+    m = meta[:, :nb * q.meta_bytes].reshape(rows, nsb, q.meta_bytes * q.sub_blocks)
     head, tail = m[:, :, :q.qs_offset], m[:, :, q.qs_offset:]
-    return np.concatenate([head, qs, tail], axis=2).reshape(rows, nb * q.block_bytes)
+    return np.concatenate([head, qs, tail], axis=2).reshape(rows, nsb * q.block_bytes)
+
+
+def _unpair_nibbles(qs: np.ndarray) -> np.ndarray:
+    """K-quant quant bytes (.., 32*pairs; sub-blocks 2i, 2i+1 in the low and high nibbles of
+    32 bytes) -> one 16-byte run a sub-block in q4_0's order (byte j: values j and j+16)."""
+    c = qs.reshape(*qs.shape[:-1], -1, 32)
+    subs = np.stack([c & 0x0F, c >> 4], axis=-2)              # (.., pairs, 2, 32 values)
+    out = subs[..., :16] | (subs[..., 16:] << 4)
+    return out.reshape(qs.shape)
+
+
+def _pair_nibbles(qs: np.ndarray) -> np.ndarray:
+    """The inverse of _unpair_nibbles."""
+    b = qs.reshape(*qs.shape[:-1], -1, 2, 16)
+    vals = np.concatenate([b & 0x0F, b >> 4], axis=-1)         # (.., pairs, 2, 32 values)
+    out = vals[..., 0, :] | (vals[..., 1, :] << 4)
+    return out.reshape(qs.shape)
 
 
 def _numel(shape) -> int:
@@ -131,8 +156,8 @@ class QuantTensor:
     @classmethod
     def from_gguf(cls, tensor) -> "QuantTensor":
         """From a gguf.ReaderTensor (its shape is in ggml order: k first)."""
-        from ..codegen.quant import QUANT_TYPES
-        name = tensor.tensor_type.name.lower()
+        from ..codegen.quant import QUANT_TYPES, type_name
+        name = type_name(tensor.tensor_type)
         if name not in QUANT_TYPES:
             raise ValueError(f"tensor {tensor.name!r} is {name}, which moeforge cannot run yet")
         shape = tuple(int(s) for s in reversed(list(tensor.shape)))

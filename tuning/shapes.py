@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..codegen.quant import type_name
+
 # (E, top_k, m, k) of the gate/up expert product: m = expert feed-forward length,
 # k = embedding length.
 NAMED = {
@@ -57,7 +59,7 @@ def model_shapes(path: str | Path) -> tuple[list[tuple[int, int, int, int]], lis
     shapes = [(E, top_k, ff, embd)]
     if (E, top_k, embd, ff) not in shapes:
         shapes.append((E, top_k, embd, ff))
-    types = sorted({t.tensor_type.name.lower() for t in reader.tensors if "_exps" in t.name})
+    types = sorted({type_name(t.tensor_type) for t in reader.tensors if "_exps" in t.name})
     return shapes, types
 
 
@@ -76,7 +78,7 @@ def model_dense_shapes(path: str | Path) -> list[tuple[int, int, str]]:
         t = T.get(name)
         if t is None or len(t.shape) != 2:
             return None
-        return int(t.shape[1]), int(t.shape[0]), t.tensor_type.name.lower()   # GGUF order: (k, m)
+        return int(t.shape[1]), int(t.shape[0]), type_name(t.tensor_type)   # GGUF order: (k, m)
     q, k, v = (mk(f"blk.0.attn_{x}.weight") for x in ("q", "k", "v"))
     out = []
     if q and k and v and q[2] == k[2] == v[2] and q[2] in QUANT_TYPES and q[1] == k[1] == v[1]:

@@ -113,10 +113,11 @@ def test_templates_have_only_the_code_paths_the_compile_test_covers():
 
 
 def test_every_default_decode_spec_is_generated():
-    """What dispatch runs without a profile must be among the instances generate builds."""
+    """What dispatch runs without a profile must be among the instances generate builds
+    (q4_K has no profile entries at all: everything it runs is a default)."""
     from moeforge.runtime import dispatch
     generated = set(SPECS)
-    for qtype in ("q4_0", "q8_0"):
+    for qtype in ("q4_0", "q8_0", "q4_K"):
         for n in range(1, 9):
             for ids in (True, False):
                 assert dispatch.default_mmvq(qtype, n, ids) in generated
@@ -140,3 +141,17 @@ def test_fused_sweep_holds_the_default_and_each_decode_form_once():
     assert any(s.per_pair and s.prequant for s in eight) and any(s.tokens == 8 for s in eight)
     assert _fused_specs("q8_0", 2, "gelu", True, sweep=False, k=2880) == [
         dispatch.default_fused("q8_0", 2, "gelu", True, ids=True, k=2880)]
+
+
+def test_k_quants_leave_the_32_weight_instances_untouched():
+    """q4_K's scale reads are a template branch; q4_0/q8_0 must render without any trace of
+    it (their shipped profile entries record each kernel's source hash), and q4_K's stages
+    must hold whole super-blocks."""
+    for spec in (MmqSpec("q4_0", 64, 128, 4), MmvqSpec("q8_0", act="silu"), MmvqSpec.decode("q4_0", rows=2, act="silu")):
+        src = render(spec)
+        assert "qt_wscale_at" not in src and "qt_wscale(" in src
+    for spec in (MmqSpec("q4_K", 64, 128, 4), MmvqSpec("q4_K", act="silu")):
+        src = render(spec)
+        assert "qt_wscale_at(" in src and "qt_wscale(" not in src
+    with pytest.raises(ValueError, match="whole q4_K super-blocks"):
+        MmqSpec("q4_K", 64, 128, 4, kblocks=4).check()

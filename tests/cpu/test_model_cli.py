@@ -30,6 +30,21 @@ def test_synth_cli(tiny, capsys):
     assert "unknown preset" in capsys.readouterr().err
 
 
+def test_synth_cli_writes_k_quants(tmp_path, capsys):
+    """q4_K needs rows of whole super-blocks: the tiny-k preset has them, tiny does not."""
+    from moeforge.runtime.gguf_file import GGUFFile
+    from moeforge.synth import TYPES
+    from moeforge.cli_model import SYNTH_TYPES
+    assert set(SYNTH_TYPES) == set(TYPES)
+    path = str(tmp_path / "k.gguf")
+    assert main(["synth", "--preset", "tiny-k", "--type", "q4_K", path, "--quiet"]) == 0
+    assert {t.qtype for t in GGUFFile(path).tensors.values()} == {"q4_K", "f32"}
+    capsys.readouterr()
+    assert main(["synth", "--preset", "tiny", "--type", "q4_K", str(tmp_path / "bad.gguf"), "--quiet"]) == 2
+    assert "not whole q4_K blocks of 256" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.gguf"]      # nothing half-written
+
+
 @pytest.mark.skipif(has_gpu(), reason="checks the message given without a GPU")
 def test_bench_without_gpu_is_a_clear_error(tiny, capsys):
     assert main(["bench", tiny]) == 2

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from moeforge import reference as ref
-from moeforge.codegen.quant import QUANT_TYPES, parse_types, quant_type
+from moeforge.codegen.quant import QUANT_TYPES, parse_types, quant_type, type_name
 from moeforge.runtime.tensor import join_blocks, split_blocks
 
 
@@ -12,13 +12,17 @@ def test_table_agrees_with_gguf(name):
     q = quant_type(name)
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[q.ggml_type]
     assert (q.block_values, q.block_bytes) == (block_values, block_bytes)
-    assert q.qs_bytes % 16 == 0 and 0 <= q.qs_offset and q.qs_offset + q.qs_bytes <= q.block_bytes
+    span = q.qs_bytes * q.sub_blocks
+    assert q.qs_bytes % 16 == 0 and 0 <= q.qs_offset and q.qs_offset + span <= q.block_bytes
+    assert q.meta_bytes * q.sub_blocks + span == q.block_bytes
+    assert q.name == quant_type(name.upper()).name == type_name(q.ggml_type)
 
 
 @pytest.mark.parametrize("name", list(QUANT_TYPES))
-@pytest.mark.parametrize("k", [32, 96, 1024, 2880])
-def test_split_layout_round_trips_and_aligns(rng, name, k):
+@pytest.mark.parametrize("blocks", [1, 3, 32, 90])
+def test_split_layout_round_trips_and_aligns(rng, name, blocks):
     q = quant_type(name)
+    k = blocks * q.block_values
     rows = 7
     raw = ref.random_blocks(name, rows, k, rng)
     qs, meta = split_blocks(raw, q, rows, k)
@@ -37,3 +41,51 @@ def test_bad_k_and_unknown_type_are_named():
         quant_type("q3_x")
     assert [q.name for q in parse_types("q8_0, q4_0")] == ["q8_0", "q4_0"]
     assert len(parse_types(None)) == len(QUANT_TYPES)
+
+
+@pytest.mark.parametrize("name", list(QUANT_TYPES))
+def test_kernel_view_is_ggufs_dequantization(rng, name):
+    """The emulation's weights (ints * mul + add per 32-weight block) are gguf's own
+    dequantized weights, exactly: the kernels' scale formula reads the format right."""
+    q = quant_type(name)
+    rows, k = 5, 4 * q.block_values
+    raw = ref.random_blocks(name, rows, k, rng)
+    ints, mul, add = ref._kernel_view(raw, q, rows, k)
+    # add * sx = add * dx * sum(q_x): per weight, add is the offset every value carries
+    w = ints.reshape(rows, -1, 32) * mul[..., None].astype(np.float64) + add[..., None]
+    got = w.reshape(rows, k)
+    want = gguf.quants.dequantize(raw, q.ggml_type).reshape(rows, k)
+    np.testing.assert_array_equal(got.astype(np.float32), want)
+
+
+def test_q4_k_split_puts_each_sub_block_in_q4_0_order(rng):
+    """Kernel block b of a q4_K row: its 16 quant bytes hold values j (low nibble) and j+16
+    (high) of sub-block b; its scales are its super-block's 16 bytes, 2 bytes a block."""
+    q = quant_type("q4_K")
+    rows, k = 3, 768
+    raw = ref.random_blocks(q, rows, k, rng)
+    qs, meta = split_blocks(raw, q, rows, k)
+    ints, _, _ = ref._kernel_view(raw, q, rows, k)
+    b = qs.reshape(rows, k // 32, 16)
+    np.testing.assert_array_equal(np.concatenate([b & 15, b >> 4], axis=2).reshape(rows, k), ints)
+    sb = raw.reshape(rows, k // 256, 144)
+    np.testing.assert_array_equal(meta[:, :k // 256 * 16].reshape(rows, -1, 16), sb[:, :, :16])
+    assert q.meta_bytes == 2 and q.qs_bytes == 16 and q.blocks_per_row(k) == k // 32
+    with pytest.raises(ValueError, match="k=288"):
+        q.blocks_per_row(288)
+
+
+def test_q4_k_scales_unpack_like_ggml():
+    """The 6-bit (scale, min) pairs: sub-blocks 0-3 in the low bits of bytes 0-7, 4-7 in
+    the nibbles of bytes 8-11 plus the top bits of bytes 0-7 (ggml's get_scale_min_k4)."""
+    packed = np.zeros(12, dtype=np.uint8)
+    want_sc, want_mn = [5, 63, 0, 17, 40, 1, 62, 33], [9, 0, 63, 2, 21, 60, 7, 48]
+    for j in range(4):
+        packed[j] |= want_sc[j]
+        packed[j + 4] |= want_mn[j]
+    for j in range(4, 8):
+        packed[j + 4] = (want_sc[j] & 15) | ((want_mn[j] & 15) << 4)
+        packed[j - 4] |= (want_sc[j] >> 4) << 6
+        packed[j] |= (want_mn[j] >> 4) << 6
+    sc, mn = ref.q4_k_scales(packed)
+    assert sc.tolist() == want_sc and mn.tolist() == want_mn

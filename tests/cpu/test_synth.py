@@ -7,10 +7,10 @@ from moeforge.runtime.model import load_model
 from moeforge.synth import PRESETS, preset, tensor_plan, write_qwen3moe
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "f16"])
 def test_blocks_source_writes_a_loadable_model(tmp_path, qtype):
     path = str(tmp_path / "m.gguf")
-    r = write_qwen3moe(path, preset("tiny"), qtype, seed=1)
+    r = write_qwen3moe(path, preset("tiny-k" if qtype == "q4_K" else "tiny"), qtype, seed=1)
     f = GGUFFile(path)
     assert r["tensors"] == len(f.tensors) == 27
     assert f.metadata["general.architecture"] == "qwen3moe"
@@ -23,7 +23,11 @@ def test_blocks_source_writes_a_loadable_model(tmp_path, qtype):
     logits = m.logits(np.arange(16))
     assert np.isfinite(logits).all() and logits.std() > 0
     if qtype != "f16":
-        d = m.weights.layers[0].gate_up.raw.reshape(-1, 18 if qtype == "q4_0" else 34)[:, :2].copy()
+        from moeforge.codegen.quant import quant_type
+        q = quant_type(qtype)
+        assert f.tensors["blk.0.ffn_down_exps.weight"].qtype == q.name
+        blocks = m.weights.layers[0].gate_up.raw.reshape(-1, q.block_bytes)
+        d = blocks[:, :4 if qtype == "q4_K" else 2].copy()     # q4_K: d and dmin
         scales = np.abs(d.view(np.float16).astype(np.float32))
         assert np.isfinite(scales).all() and scales.min() > 0 and scales.max() < 0.1
 
@@ -51,14 +55,16 @@ def test_real_shapes_of_the_30b_preset():
     assert 30.0e9 < total < 31.0e9
 
 
-def test_skewed_router_concentrates_tokens(tmp_path):
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_K"])
+def test_skewed_router_concentrates_tokens(tmp_path, qtype):
     path = str(tmp_path / "s.gguf")
-    write_qwen3moe(path, preset("tiny"), "q8_0", seed=2, skewed_router=True)
+    write_qwen3moe(path, preset("tiny-k" if qtype == "q4_K" else "tiny"), qtype, seed=2, skewed_router=True)
     m = load_model(path, backend="numpy")
     seen = []
     route = m.backend.route
     m.backend.route = lambda lg, k, s: (lambda r: (seen.append(r[0]), r)[1])(route(lg, k, s))
     m.logits(np.arange(200) % 500)
+    assert len(seen) == 2
     for ids in seen:   # per layer: the two hottest experts take most slots (uniform: 25%)
         counts = np.sort(np.bincount(ids.ravel(), minlength=8))
         assert counts[-2:].sum() > 0.5 * counts.sum(), counts
@@ -84,3 +90,19 @@ def test_bad_arguments(tmp_path):
         write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q4_k")
     with pytest.raises(ValueError, match="unknown preset"):
         preset("llama-7b")
+
+
+def test_k_quant_model_kernel_numerics_close_to_float(tmp_path):
+    """A model whose every matrix is q4_K on the numpy backend: the emulation of the
+    kernels (q8_1 activations, integer block dots, the q4_K scale formula) stays close to
+    float64 on gguf's dequantized weights, as it does for q4_0."""
+    from conftest import kl_per_token
+    path = str(tmp_path / "k.gguf")
+    write_qwen3moe(path, preset("tiny-k"), "q4_K", seed=int(np.random.SeedSequence().entropy % 2**31))
+    toks = np.random.default_rng().integers(0, 512, size=24)
+    flt = load_model(path, backend="numpy", numerics="float").logits(toks)
+    emu = load_model(path, backend="numpy", numerics="kernel").logits(toks)
+    kl = kl_per_token(flt, emu)
+    print(f"mean KL {kl.mean():.2e}, max {kl.max():.2e}")
+    assert kl.mean() < 1e-3 and np.isfinite(emu).all()
+    assert np.abs(emu - flt).max() > 0     # the two numerics really differ
