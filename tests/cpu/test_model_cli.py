@@ -39,6 +39,9 @@ def test_synth_cli_writes_k_quants(tmp_path, capsys):
     path = str(tmp_path / "k.gguf")
     assert main(["synth", "--preset", "tiny-k", "--type", "q4_K", path, "--quiet"]) == 0
     assert {t.qtype for t in GGUFFile(path).tensors.values()} == {"q4_K", "f32"}
+    from moeforge.bench_model import model_label
+    from moeforge.runtime.model import load_model
+    assert model_label(load_model(path, backend="numpy")).endswith("Q4_K - Small")   # llama-bench's name
     capsys.readouterr()
     assert main(["synth", "--preset", "tiny", "--type", "q4_K", str(tmp_path / "bad.gguf"), "--quiet"]) == 2
     assert "not whole q4_K blocks of 256" in capsys.readouterr().err
