@@ -2,7 +2,8 @@
 
 The bytes are kept in moeforge's split layout (codegen.quant): per block the quant bytes
 and the remaining bytes (scales) in two regions, each row of each 16-byte aligned. It is a
-byte permutation of the GGUF blocks: `to_blocks()` returns them exactly.
+permutation of the GGUF blocks' bytes (of a K-quant's nibbles): `to_blocks()` returns them
+exactly.
 """
 from __future__ import annotations
 
