@@ -154,8 +154,8 @@ class _Weights:
         if self.skewed and name == "token_embd.weight":
             w[:, ::32] = np.abs(w[:, ::32]) + 1.5
         if t in QUANT_TYPES:
-            from gguf import quants
-            return quants.quantize(w.reshape(-1, shape[-1]), QUANT_TYPES[t].ggml_type)
+            from .runtime.quantize import quantize
+            return quantize(w, QUANT_TYPES[t])
         return w.astype(_np_dtype(t))
 
 

@@ -146,12 +146,12 @@ class QuantTensor:
 
     @classmethod
     def from_float(cls, array, qtype: str | QuantType) -> "QuantTensor":
-        """Quantize float weights with gguf's reference quantizer."""
-        from gguf import quants
+        """Quantize float weights (gguf's reference quantizers; q4_K: runtime.quantize)."""
+        from .quantize import quantize
         q = quant_type(qtype) if isinstance(qtype, str) else qtype
         arr = array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        raw = quants.quantize(arr.reshape(-1, arr.shape[-1]), q.ggml_type)
+        raw = quantize(arr, q)
         return cls.from_blocks(raw, q, arr.shape)
 
     @classmethod

@@ -89,3 +89,35 @@ def test_q4_k_scales_unpack_like_ggml():
         packed[j] |= (want_mn[j] >> 4) << 6
     sc, mn = ref.q4_k_scales(packed)
     assert sc.tolist() == want_sc and mn.tolist() == want_mn
+
+
+def test_q4_k_quantizer_writes_valid_close_blocks(rng):
+    """moeforge's own q4_K quantizer (gguf-py has none): gguf dequantizes its blocks to within
+    4-bit rounding of the input, its 6-bit scale packing is the one reference.q4_k_scales
+    (and ggml) reads, all-zero and one-signed rows are fine, and it is deterministic."""
+    from moeforge.runtime.quantize import pack_q4_k_scales, quantize
+    q = quant_type("q4_K")
+    x = (rng.standard_normal((9, 768)) * rng.uniform(0.01, 3.0, size=(9, 1))).astype(np.float32)
+    x[1] = 0.0
+    x[2] = np.abs(x[2])
+    x[3] = -np.abs(x[3])
+    raw = quantize(x, q)
+    assert raw.shape == (9, q.row_bytes(768)) and np.array_equal(raw, quantize(x, q))
+    w = gguf.quants.dequantize(raw, q.ggml_type).reshape(x.shape)
+    assert np.isfinite(w).all() and not w[1].any()
+    for row in (0, 2, 3, 4, 8):
+        err = np.sqrt(((w[row] - x[row]) ** 2).mean() / (x[row] ** 2).mean())
+        assert err < 0.12, (row, err)
+    sc, mn = rng.integers(0, 64, size=(2, 7, 8))
+    got_sc, got_mn = ref.q4_k_scales(pack_q4_k_scales(sc, mn))
+    assert np.array_equal(got_sc, sc) and np.array_equal(got_mn, mn)
+    with pytest.raises(ValueError, match="k=320"):
+        quantize(np.ones((2, 320), np.float32), q)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q8_0"])
+def test_quantize_is_ggufs_for_the_formats_gguf_has(rng, name):
+    from moeforge.runtime.quantize import quantize
+    q = quant_type(name)
+    x = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    assert np.array_equal(quantize(x, q), gguf.quants.quantize(x.reshape(-1, 64), q.ggml_type))

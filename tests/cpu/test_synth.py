@@ -87,7 +87,7 @@ def test_float_source_is_deterministic(tmp_path):
 
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="synth writes"):
-        write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q4_k")
+        write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q5_K")
     with pytest.raises(ValueError, match="unknown preset"):
         preset("llama-7b")
 
@@ -106,3 +106,21 @@ def test_k_quant_model_kernel_numerics_close_to_float(tmp_path):
     print(f"mean KL {kl.mean():.2e}, max {kl.max():.2e}")
     assert kl.mean() < 1e-3 and np.isfinite(emu).all()
     assert np.abs(emu - flt).max() > 0     # the two numerics really differ
+
+
+def test_float_source_writes_k_quants_of_the_same_model(tmp_path):
+    """With float weights, the q4_K file is one more version of the f32 model (moeforge's
+    own q4_K quantizer): deterministic, and its logits as close to the f32 file's as the
+    q4_0 file's are."""
+    from conftest import kl_per_token
+    paths = {t: str(tmp_path / f"{t}.gguf") for t in ("f32", "q4_0", "q4_K")}
+    for t, p in paths.items():
+        write_qwen3moe(p, preset("tiny-k"), t, source="float", seed=11)
+    again = str(tmp_path / "again.gguf")
+    write_qwen3moe(again, preset("tiny-k"), "q4_K", source="float", seed=11)
+    assert open(again, "rb").read() == open(paths["q4_K"], "rb").read()
+    toks = np.arange(1, 33) * 13 % 512
+    lg = {t: load_model(p, backend="numpy").logits(toks) for t, p in paths.items()}
+    kl_k, kl_0 = (kl_per_token(lg["f32"], lg[t]).mean() for t in ("q4_K", "q4_0"))
+    print(f"mean KL to f32: q4_K {kl_k:.2e}, q4_0 {kl_0:.2e}")
+    assert 0 < kl_k < 2 * kl_0

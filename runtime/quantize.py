@@ -1,0 +1,62 @@
+"""Float weights -> GGUF blocks: gguf's reference quantizers where it has one, our own for
+the K-quants it lacks (gguf-py dequantizes q4_K but cannot quantize it).
+
+The q4_K quantizer is a plain one, not ggml's (which searches each sub-block's scale and min
+to minimise the error): per 32-weight sub-block the range [min(0, lo), hi] is spread over the
+16 levels, and the super-block's d and dmin are the largest sub-block scale and offset over
+63, so that every 6-bit scale and min fits. Any valid blocks serve moeforge's purposes (test
+weights, synthetic models, `QuantTensor.from_float`); the files it writes are ordinary q4_K.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..codegen.quant import QuantType
+
+
+def quantize(x: np.ndarray, q: QuantType) -> np.ndarray:
+    """Float rows (.., k) -> GGUF block bytes (rows, row_bytes), uint8."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = x.reshape(-1, x.shape[-1])
+    q.blocks_per_row(x.shape[-1])            # k a multiple of the block size, or a clear error
+    if q.name == "q4_K":
+        return quantize_q4_k(x)
+    from gguf import quants
+    return quants.quantize(x, q.ggml_type)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    rows, k = x.shape
+    nsb = k // 256
+    sub = x.reshape(rows, nsb, 8, 32).astype(np.float64)
+    lo = np.minimum(sub.min(axis=-1), 0.0)
+    hi = sub.max(axis=-1)
+    scale, offset = (hi - lo) / 15.0, -lo                       # (rows, nsb, 8), both >= 0
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)
+    dmin = (offset.max(axis=-1) / 63.0).astype(np.float16)
+    d64, dmin64 = d.astype(np.float64)[..., None], dmin.astype(np.float64)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d64 > 0, np.rint(scale / d64), 0).clip(0, 63).astype(np.uint8)
+        mn = np.where(dmin64 > 0, np.rint(offset / dmin64), 0).clip(0, 63).astype(np.uint8)
+        step = (d64 * sc)[..., None]
+        qv = np.where(step > 0, np.rint((sub + (dmin64 * mn)[..., None]) / step), 0)
+    qv = qv.clip(0, 15).astype(np.uint8)                        # (rows, nsb, 8, 32)
+    out = np.empty((rows, nsb, 144), dtype=np.uint8)
+    out[..., 0:2] = d.view(np.uint8).reshape(rows, nsb, 2)
+    out[..., 2:4] = dmin.view(np.uint8).reshape(rows, nsb, 2)
+    out[..., 4:16] = pack_q4_k_scales(sc, mn)
+    pairs = qv.reshape(rows, nsb, 4, 2, 32)                     # sub-blocks 2i (low), 2i+1 (high)
+    out[..., 16:] = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, nsb, 128)
+    return out.reshape(rows, nsb * 144)
+
+
+def pack_q4_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins (.., 8) -> ggml's 12 bytes (.., 12): sub-blocks 0-3 in the
+    low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the nibbles of bytes 8-11 with
+    their top two bits in the high bits of bytes 0-3 and 4-7 (reference.q4_k_scales reads it)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    out = np.empty((*sc.shape[:-1], 12), dtype=np.uint8)
+    out[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    out[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    return out
