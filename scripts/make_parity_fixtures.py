@@ -46,6 +46,10 @@ FIXTURES = {
     # the output head tied to a quantized embedding (no output.weight), q8_0 embedding
     "q4_0-tied": dict(qtype="q4_0", embd_type="q8_0", tied_output=True),
 }
+# K-quants need rows of whole 256-weight super-blocks: a wider model, its own tokens
+SPEC_K = dict(SPEC, n_embd=256, head_dim=64, n_ff_exp=256, n_ff=768)
+FIXTURES_K = {"q4_K": dict(qtype="q4_K")}
+GROUPS = {"base": (SPEC, FIXTURES), "k": (SPEC_K, FIXTURES_K)}
 
 
 def weights_sha256(path: str) -> str:
@@ -88,7 +92,7 @@ def margins(logits: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def choose_tokens(paths: dict, rng: np.random.Generator, tries: int) -> np.ndarray:
+def choose_tokens(paths: dict, rng: np.random.Generator, tries: int, n_vocab: int) -> np.ndarray:
     """Greedy, one position at a time (the margins at position i depend only on tokens
     up to i), judged by the numpy backend emulating moeforge's kernels."""
     from moeforge.runtime.model import load_model
@@ -106,7 +110,7 @@ def choose_tokens(paths: dict, rng: np.random.Generator, tries: int) -> np.ndarr
     tokens = []
     for i in range(N_TOKENS):
         for attempt in range(tries):
-            cand = int(rng.integers(0, SPEC["n_vocab"] - 3))
+            cand = int(rng.integers(0, n_vocab - 3))
             gaps.clear()
             ok, done = True, []
             for m in models:
@@ -129,20 +133,39 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--tries", type=int, default=500, help="candidate tokens per position")
+    ap.add_argument("--group", choices=sorted(GROUPS), action="append",
+                    help="regenerate only this group of fixtures (repeatable; the others stay as they are)")
     args = ap.parse_args(argv)
     import llama_cpp
     from moeforge.runtime.model import load_model
     os.makedirs(args.out, exist_ok=True)
-    manifest = {"llama_cpp_python": llama_cpp.__version__, "n_tokens": N_TOKENS, "min_margin": MIN_MARGIN,
-                "router_gap": ROUTER_GAP, "fixtures": {}}
+    mpath = os.path.join(args.out, "manifest.json")
+    if args.group and os.path.exists(mpath):
+        with open(mpath) as fh:
+            manifest = json.load(fh)
+    else:
+        manifest = {"llama_cpp_python": llama_cpp.__version__, "n_tokens": N_TOKENS, "min_margin": MIN_MARGIN,
+                    "router_gap": ROUTER_GAP, "fixtures": {}}
+    for group in args.group or sorted(GROUPS):
+        spec, fixtures = GROUPS[group]
+        if make_group(args, manifest, spec, fixtures, llama_cpp.__version__, load_model):
+            return 1
+    with open(mpath, "w") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    return 0
+
+
+def make_group(args, manifest, spec, fixtures, llama_version, load_model) -> int:
+    """One group's fixtures (one model spec, its own token sequence) into manifest."""
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
-        for name, a in FIXTURES.items():
-            entry = {"spec": SPEC, "seed": SEED, "args": a}
+        for name, a in fixtures.items():
+            entry = {"spec": spec, "seed": SEED, "args": a, "llama_cpp_python": llama_version}
             paths[name] = os.path.join(tmp, f"{name}.gguf")
             write_fixture_model(paths[name], entry)
             manifest["fixtures"][name] = dict(entry, file=f"{name}.npz", weights_sha256=weights_sha256(paths[name]))
-        tokens = choose_tokens(paths, np.random.default_rng(SEED), args.tries)
+        tokens = choose_tokens(paths, np.random.default_rng(SEED), args.tries, spec["n_vocab"])
         logits = {name: llama_logits(p, tokens) for name, p in paths.items()}
         worst = min(float(margins(v).min()) for v in logits.values())
         print(f"smallest top-1 margin in llama.cpp's logits: {worst:.4f}", file=sys.stderr)
@@ -164,9 +187,6 @@ def main(argv=None) -> int:
             manifest["fixtures"][name]["numpy_vs_llama_cpp"] = report
             manifest["fixtures"][name]["smallest_margin"] = float(margins(ref).min())
             print(name, json.dumps(report), file=sys.stderr)
-    with open(os.path.join(args.out, "manifest.json"), "w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
-        fh.write("\n")
     return 0
 
 

@@ -26,25 +26,40 @@ def rng(request):
 
 @pytest.fixture(scope="session")
 def generated(tmp_path_factory):
-    """Every instance compiled for the architectures of the templates' two code paths (they
-    branch on __CUDA_ARCH__ >= 800 and >= 900 only: test_codegen checks that), and a fixed
-    eighth of them for the others, which compile sm_80's path; once per test session.
-    Every instance for all four took ~27 of CI's ~32 minutes on 2 cores."""
+    """The instances of compile_plan() compiled, once per test session."""
     import io
     from moeforge.codegen.compile import ARCHS
-    from moeforge.codegen.enumerate import all_specs
     from moeforge.codegen.generate import generate
     from moeforge.codegen.quant import parse_types
     build_dir = tmp_path_factory.mktemp("build")
     buf = io.StringIO()
-    sample = all_specs(parse_types("all"))[::SAMPLE_EVERY]
-    subset = {a: sample for a in ARCHS if a not in FULL_ARCHS}
+    plan = compile_plan()
+    subset = {a: specs for a, specs in plan.items() if a != "sm_90"}
     summary = generate(parse_types("all"), ARCHS, build_dir, progress=False, out=buf, subset=subset)
     return build_dir, summary, buf.getvalue()
 
 
-FULL_ARCHS = ("sm_80", "sm_90")   # every instance compiled for these (see `generated`)
+FULL_ARCHS = ("sm_80", "sm_90")   # the templates' two code paths (see compile_plan)
 SAMPLE_EVERY = 8
+
+
+def compile_plan() -> dict:
+    """{arch: instances} the compile test builds. The templates branch on __CUDA_ARCH__ >= 800
+    and >= 900 only (test_codegen checks that), so sm_90 builds every instance, sm_80 every
+    instance of the 32-weight formats (their code is the shared templates' whole), and the
+    other architectures, which compile sm_80's path, a fixed eighth. A super-block format's
+    instances differ from those only by its traits template, which has no architecture
+    branch (test_codegen checks that too): sm_80 builds an eighth of them. Every instance
+    for all four architectures took ~27 of CI's ~32 minutes on 2 cores; with q4_K in full on
+    sm_80 as well, CI took 27 minutes."""
+    from moeforge.codegen.compile import ARCHS
+    from moeforge.codegen.enumerate import all_specs
+    from moeforge.codegen.quant import parse_types
+    specs = all_specs(parse_types("all"))
+    sample = specs[::SAMPLE_EVERY]
+    blocks32 = [s for s in specs if not hasattr(s, "quant") or s.quant.sub_blocks == 1]
+    super_sample = [s for s in specs if hasattr(s, "quant") and s.quant.sub_blocks > 1][::SAMPLE_EVERY]
+    return {a: specs if a == "sm_90" else blocks32 + super_sample if a == "sm_80" else sample for a in ARCHS}
 
 
 PARITY_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "parity")

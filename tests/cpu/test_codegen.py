@@ -82,16 +82,16 @@ def test_compile_cache_is_keyed_by_source(tmp_path):
 
 
 def test_generate_compiles_every_instance(generated):
-    """The whole space for sm_80 and sm_90, a fixed sample for the other architectures
-    (conftest.generated), NVRTC only (no GPU, no toolkit)."""
-    from conftest import FULL_ARCHS, SAMPLE_EVERY
+    """The whole space for sm_90, every 32-weight-format instance for sm_80, fixed samples
+    otherwise (conftest.compile_plan), NVRTC only (no GPU, no toolkit)."""
+    from conftest import FULL_ARCHS, compile_plan
     build_dir, summary, table = generated
     assert summary["failures"] == [], summary["failures"][:3]
-    sample = len(SPECS[::SAMPLE_EVERY])
-    assert summary["total"] == len(SPECS) * len(FULL_ARCHS) + sample * (len(ARCHS) - len(FULL_ARCHS))
+    plan = compile_plan()
+    assert summary["total"] == sum(len(v) for v in plan.values())
+    assert plan["sm_90"] == SPECS and len(plan["sm_80"]) > len(SPECS) * 2 // 3
     for arch in ARCHS:
-        want = len(SPECS) if arch in FULL_ARCHS else sample
-        assert len(list((build_dir / arch).glob("*.cubin"))) == want, arch
+        assert len(list((build_dir / arch).glob("*.cubin"))) == len(set(plan[arch])), arch
     assert set(FULL_ARCHS) <= set(ARCHS) and "instances" in table and "sm_90" in table
 
 
@@ -110,6 +110,11 @@ def test_templates_have_only_the_code_paths_the_compile_test_covers():
         assert not re.search(r"__CUDA_ARCH__\s*(==|<|>(?!=)|<=)", f.read_text()), f.name
     assert found == {800, 900}
     assert {f"sm_{v // 10}" for v in found} == set(FULL_ARCHS)
+    # the super-block formats' traits: no architecture branch (sm_80 compiles a sample of them)
+    from moeforge.codegen.quant import QUANT_TYPES
+    for q in QUANT_TYPES.values():
+        if q.sub_blocks > 1:
+            assert "__CUDA_ARCH__" not in (tdir / q.template).read_text(), q.template
 
 
 def test_every_default_decode_spec_is_generated():
