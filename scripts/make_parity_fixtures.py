@@ -2,7 +2,8 @@
 """Regenerate the llama.cpp parity fixtures (tests/fixtures/parity/).
 
 Writes tiny qwen3moe GGUF files with moeforge's synth writer (seeded float weights,
-quantized by gguf's reference quantizer: bit-identical on every run), evaluates them with
+quantized by gguf's reference quantizer, q4_K by moeforge's own: bit-identical on every
+run; the q4_K file is a wider model, rows of whole super-blocks), evaluates them with
 llama.cpp on the CPU through llama-cpp-python (F32 KV cache, flash attention off, one
 ubatch, logits for every position), and keeps only the logits, the token ids and a hash
 of the weights; the tests rewrite the GGUF files from manifest.json.
