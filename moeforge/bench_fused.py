@@ -59,10 +59,11 @@ def run(qtypes, reps: int, info: dict, bw_gbs: float, rows: list, rng, sweep: bo
     from .runtime.ops import run_mul_mat_id
     from .tuning.timing import time_calls
     for qtype in qtypes:
+        q = quant_type(qtype)
         for name, E, top_k, n_ff, k, act, bias in FUSED_SHAPES:
-            if k % quant_type(qtype).block_values:
+            if k % q.block_values:
                 continue   # gpt-oss's rows of 2880 hold no whole K-quant super-blocks
-            row_bytes = quant_type(qtype).row_bytes(k)
+            row_bytes = q.row_bytes(k)
             one = E * 2 * n_ff * row_bytes
             copies = max(2, math.ceil(4 * info["l2_bytes"] / one))
             wsets = _weights(qtype, E, n_ff, k, rng, copies)

@@ -138,7 +138,6 @@ def main(argv=None) -> int:
                     help="regenerate only this group of fixtures (repeatable; the others stay as they are)")
     args = ap.parse_args(argv)
     import llama_cpp
-    from moeforge.runtime.model import load_model
     os.makedirs(args.out, exist_ok=True)
     mpath = os.path.join(args.out, "manifest.json")
     if args.group and os.path.exists(mpath):
@@ -149,7 +148,7 @@ def main(argv=None) -> int:
                     "router_gap": ROUTER_GAP, "fixtures": {}}
     for group in args.group or sorted(GROUPS):
         spec, fixtures = GROUPS[group]
-        if make_group(args, manifest, spec, fixtures, llama_cpp.__version__, load_model):
+        if make_group(args, manifest, spec, fixtures, llama_cpp.__version__):
             return 1
     with open(mpath, "w") as fh:
         json.dump(manifest, fh, indent=1, sort_keys=True)
@@ -157,8 +156,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def make_group(args, manifest, spec, fixtures, llama_version, load_model) -> int:
+def make_group(args, manifest, spec, fixtures, llama_version) -> int:
     """One group's fixtures (one model spec, its own token sequence) into manifest."""
+    from moeforge.runtime.model import load_model
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for name, a in fixtures.items():

@@ -9,6 +9,7 @@ pytestmark = pytest.mark.gpu
 NMSE_FLOAT = 5e-4
 NMSE_EMULATED = 1e-10
 SHAPES = [(8, 1, 40, 96), (32, 4, 200, 288), (128, 8, 72, 256), (16, 2, 33, 160), (64, 8, 96, 512)]
+SHAPES_K = [(8, 1, 40, 256), (32, 4, 201, 512), (128, 8, 72, 768)]   # q4_K: rows of whole super-blocks
 
 
 def _weights(rng, qtype, E, n_ff, k, merged):
@@ -67,7 +68,7 @@ def _replay_matches(capture, outs, want):
                 np.testing.assert_array_equal(got.get(), exp)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K"])
 @pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("merged", [True, False])
@@ -76,7 +77,8 @@ def test_moe_gate_up(rng, qtype, act, bias, merged, n):
     import cupy as cp
     import moeforge
     from moeforge.codegen.spec import MmvqSpec
-    E, top_k, n_ff, k = SHAPES[(n + len(act) + 2 * bias + merged) % len(SHAPES)]
+    shapes = SHAPES_K if qtype == "q4_K" else SHAPES
+    E, top_k, n_ff, k = shapes[(n + len(act) + 2 * bias + merged) % len(shapes)]
     rg, ru, w = _weights(rng, qtype, E, n_ff, k, merged)
     x = (rng.standard_normal((n, k)) * 2).astype(np.float32)
     ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(n)]).astype(np.int32)

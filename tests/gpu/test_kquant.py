@@ -1,14 +1,13 @@
-"""K-quant weights (q4_K) on the GPU: every kernel family that takes them, against both
-references, and a model whose every matrix is q4_K against the numpy backend that
-emulates the kernels (pytest -m gpu). Rows hold whole super-blocks (k a multiple of 256);
-m stays odd where it can."""
+"""K-quant weights (q4_K) on the GPU: every MUL_MAT_ID path against both references, and a
+model whose every matrix is q4_K against the numpy backend that emulates the kernels
+(pytest -m gpu; the dense product and the fused gate/up take q4_K in test_mul_mat_id and
+test_fused). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it can."""
 import numpy as np
 import pytest
 
 from moeforge import reference as ref
-from test_fused import NMSE_EMULATED as FUSED_NMSE_EMULATED
-from test_fused import _check_float, _expected, _weights
-from test_mul_mat_id import NMSE_EMULATED, NMSE_FLOAT, _check, _choices, _setup
+from moeforge.runtime.model import load_model
+from test_mul_mat_id import _check, _choices, _setup
 
 pytestmark = pytest.mark.gpu
 
@@ -81,52 +80,6 @@ def test_streamk_fixup_over_sm_counts(rng):
         ops.device_info = real
 
 
-@pytest.mark.parametrize("n", [1, 3, 9, 100])
-def test_mul_mat_dense(rng, n):
-    import cupy as cp
-    import moeforge
-    m, k = 333, 768
-    raw = ref.random_blocks(Q, m, k, rng)
-    w = moeforge.QuantTensor.from_blocks(raw, Q, (m, k))
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    out = cp.full((n, m), cp.nan, dtype=cp.float32)
-    moeforge.mul_mat(w, cp.asarray(x), out=out)
-    got = out.get()
-    assert np.isfinite(got).all()
-    assert ref.nmse(got, ref.mul_mat_emulated(raw, Q, (m, k), x)) <= NMSE_EMULATED
-    assert ref.nmse(got, ref.mul_mat_float(ref.dequantize(raw, Q, (m, k)), x)) <= NMSE_FLOAT
-
-
-@pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("merged", [True, False])
-@pytest.mark.parametrize("n", [1, 2, 5, 8])
-def test_moe_gate_up(rng, act, bias, merged, n):
-    import cupy as cp
-    import moeforge
-    from moeforge.codegen.spec import MmvqSpec
-    from moeforge.runtime import dispatch
-    E, top_k, n_ff, k = [(8, 1, 40, 256), (32, 4, 201, 512), (128, 8, 72, 768)][(n + bias + merged) % 3]
-    rg, ru, w = _weights(rng, Q, E, n_ff, k, merged)
-    x = (rng.standard_normal((n, k)) * 2).astype(np.float32)
-    ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(n)]).astype(np.int32)
-    bg = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32) if bias else None
-    bu = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32) if bias else None
-    b = dict(gate_bias=cp.asarray(bg), up_bias=cp.asarray(bu)) if bias else {}
-    emu = _expected(Q, E, n_ff, k, rg, ru, x, ids, act, bg, bu, True)
-    flt = _expected(Q, E, n_ff, k, rg, ru, x, ids, act, bg, bu, False)
-    t = min(8, 1 << (n - 1).bit_length())
-    for spec in (None, MmvqSpec(Q, tokens=t, warps=4, rows=2, act=act, bias=bias),
-                 MmvqSpec(Q, tokens=1, warps=2, rows=2, act=act, bias=bias, per_pair=True),
-                 dispatch.default_fused(Q, 1, act, bias, ids=True, k=k, wait_first=False)):
-        out = cp.full((n, top_k, n_ff), cp.nan, dtype=cp.float32)
-        moeforge.moe_gate_up(cp.asarray(x), cp.asarray(ids), act=act, out=out, spec=spec, **w, **b)
-        got = out.get()
-        assert np.isfinite(got).all()
-        assert ref.nmse(got, emu) <= FUSED_NMSE_EMULATED, (spec, ref.nmse(got, emu))
-        _check_float(got, emu, flt)
-
-
 def test_embedding_rows_are_ggufs_dequantization(tmp_path):
     """get_rows_q4_K gives gguf's own dequantized rows, bit for bit."""
     import cupy as cp
@@ -139,11 +92,6 @@ def test_embedding_rows_are_ggufs_dequantization(tmp_path):
     toks = np.random.default_rng().integers(0, m.hp.n_vocab, size=37).astype(np.int32)
     got = m.backend.embed(m.weights.tok_embd, cp.asarray(toks), "embd_test").get()
     assert np.array_equal(got.view(np.uint32), ref_rows[toks].astype(np.float32).view(np.uint32))
-
-
-def load_model(path, **kw):
-    from moeforge.runtime.model import load_model as load
-    return load(path, **kw)
 
 
 @pytest.mark.parametrize("skewed", [False, True])

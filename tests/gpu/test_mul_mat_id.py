@@ -149,12 +149,12 @@ def test_streamk_grid_sizes(rng, m, n):
         ops.device_info = real
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K"])
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 100])
 def test_mul_mat_dense(rng, qtype, n):
     import cupy as cp
     import moeforge
-    m, k = 333, 416
+    m, k = 333, 416 if qtype != "q4_K" else 768    # q4_K: rows of whole super-blocks
     raw = ref.random_blocks(qtype, m, k, rng)
     w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
     x = rng.standard_normal((n, k)).astype(np.float32)
