@@ -72,9 +72,13 @@ MMF_SPLIT_TILES = ((128, 128, 4, 4, 2), (64, 128, 8, 4, 3))
 def mmf_specs(q: QuantType) -> list[MmfSpec]:
     if q.name not in MmfSpec.QTYPES:
         return []
-    out = [MmfSpec(q.name, x, y, w, kb, st, ids=ids) for ids in (True, False) for x, y, w, kb, st in MMF_TILES]
-    out += [MmfSpec(q.name, *t, ids=False, splits=s) for t in MMF_SPLIT_TILES for s in MMF_SPLITS]
-    return out
+
+    def whole(t):   # a K-quant stage holds whole super-blocks: kblocks raised to 8
+        x, y, w, kb, st = t
+        return x, y, w, max(kb, q.sub_blocks), st
+    out = [MmfSpec(q.name, *whole(t), ids=ids) for ids in (True, False) for t in MMF_TILES]
+    out += [MmfSpec(q.name, *whole(t), ids=False, splits=s) for t in MMF_SPLIT_TILES for s in MMF_SPLITS]
+    return list(dict.fromkeys(out))
 
 
 def all_specs(types: list[QuantType]) -> list[KernelSpec]:

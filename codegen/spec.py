@@ -378,7 +378,7 @@ class MmfSpec(KernelSpec):
     ids: bool = True
     wn: int = 1          # warps along the tile's tokens (the others split its rows)
     splits: int = 1      # blocks sharing an output tile's k (partials summed in order by mmf_split_sum)
-    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0")
+    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q4_K")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
 
     @property
@@ -407,6 +407,9 @@ class MmfSpec(KernelSpec):
             raise ValueError(f"{self.name}: y must be a multiple of 16 * the row warps, at most 256")
         if self.kblocks not in (2, 4, 8, 16):
             raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
+        if self.kblocks % self.quant.sub_blocks:
+            raise ValueError(f"{self.name}: kblocks must hold whole {self.qtype} super-blocks "
+                             f"({self.quant.sub_blocks} blocks)")
         if self.stages not in (2, 3, 4):
             raise ValueError(f"{self.name}: stages must be 2, 3 or 4")
         if self.splits not in (1, 2, 3, 4):

@@ -126,11 +126,18 @@ def mul_mat_id_emulated(raw: np.ndarray, qtype, shape, x: np.ndarray, ids: np.nd
 
 def f16_weights(raw: np.ndarray, qtype, rows: int, k: int) -> np.ndarray:
     """Weights as the f16 tensor-core path (MmfSpec) multiplies them: d * (q - offset)
-    rounded once to float16 (the product is exact in float32)."""
+    rounded once to float16 (the product is exact in float32); K-quants below."""
     q = _q(qtype)
     ints, mul, add = _kernel_view(raw, q, rows, k)
-    offset = np.where(mul != 0, add / np.where(mul != 0, mul, 1), 0).astype(np.float32)  # -8 or 0
     nb = k // 32
+    if q.sub_blocks > 1:
+        # K-quants: q * f16(d*sc) - f16(dmin*m), rounded once (the kernel's f16 fma); the
+        # float64 value of the exact product and sum is exact, so one cast rounds as fma does
+        s = mul.astype(np.float16).astype(np.float64)[..., None]
+        mn = add.astype(np.float16).astype(np.float64)[..., None]
+        w = ints.reshape(rows, nb, 32).astype(np.float64) * s + mn
+        return w.astype(np.float16).reshape(rows, k)
+    offset = np.where(mul != 0, add / np.where(mul != 0, mul, 1), 0).astype(np.float32)  # -8 or 0
     w = (ints.reshape(rows, nb, 32).astype(np.float32) + offset[..., None]) * mul[..., None]
     return w.astype(np.float32).astype(np.float16).reshape(rows, k)
 

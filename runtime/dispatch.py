@@ -179,7 +179,9 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
 def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int) -> MmfSpec:
     """The rule's tile on a card of sm_count SMs (a dense product of m rows may split k)."""
     splits = mmf_dense_splits(n, m, sm_count) if not ids and m is not None else 1
-    return MmfSpec(qtype, *MMF_WIDE_TILE, ids=ids, splits=splits)
+    x, y, warps, kblocks, stages = MMF_WIDE_TILE
+    kblocks = max(kblocks, quant_type(qtype).sub_blocks)   # K-quant stages: whole super-blocks
+    return MmfSpec(qtype, x, y, warps, kblocks, stages, ids=ids, splits=splits)
 
 
 def _measured_f16(found: Choice | None) -> bool:

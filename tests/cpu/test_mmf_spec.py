@@ -7,7 +7,8 @@ from moeforge.codegen.spec import KernelSpec, MmfSpec
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(qtype="q4_K"), "dequantizes"),
+    (dict(qtype="q5_0"), "dequantizes"),
+    (dict(qtype="q4_K"), "whole q4_K super-blocks"),
     (dict(x=12), "multiple of 8"),
     (dict(y=96, warps=4), "row warps"),
     (dict(kblocks=3), "kblocks"),
@@ -38,7 +39,21 @@ def test_f16_weights_are_ggufs_dequantization_rounded_once(rng, qtype):
     np.testing.assert_array_equal(ref.f16_weights(raw, qtype, 24, 160), want)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_q4_k_f16_weights_round_the_scales_then_the_fma(rng):
+    """q4_K in f16: q * f16(d*sc) - f16(dmin*m), one rounding; within an f16 ulp or two of
+    gguf's float32 weights, and bit for bit an independent float32 fma of the same."""
+    raw = ref.random_blocks("q4_K", 12, 512, rng)
+    got = ref.f16_weights(raw, "q4_K", 12, 512)
+    ints, mul, add = ref._kernel_view(raw, ref.quant_type("q4_K"), 12, 512)
+    s = np.repeat(mul.astype(np.float16).astype(np.float32), 32, axis=1)
+    mn = np.repeat(add.astype(np.float16).astype(np.float32), 32, axis=1)
+    fma32 = (ints.astype(np.float32) * s + mn)    # exact in float32 too: 4 x 11 bits, then one add
+    np.testing.assert_array_equal(got, fma32.astype(np.float16))
+    gguf_w = ref.dequantize(raw, "q4_K", (12, 512))
+    assert np.abs(got.astype(np.float32) - gguf_w).max() <= 4e-3 * np.abs(gguf_w).max()
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K"])
 def test_f16_emulation_is_closer_to_float64_than_q8_1(rng, qtype):
     E, m, k, n, top_k = 8, 48, 256, 19, 2
     raw = ref.random_blocks(qtype, E * m, k, rng)
@@ -65,6 +80,7 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     assert dispatch.choose_mul_mat("q4_0", 2048, 4096, 512).spec.splits == 2     # a smaller card
     assert dispatch.choose_mul_mat("q8_0", 2048, 4096, 2048).spec.x == 128
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 511).path != "mmf"
+    assert dispatch.choose_mul_mat("q4_K", 5120, 2048, 512).spec.kblocks == 8      # whole super-blocks
     moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
     assert moe.path == "mmf_id" and moe.spec.ids and moe.spec.x == 128
     assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 2048).path != "mmf_id"   # 128 an expert

@@ -1,5 +1,7 @@
 """The f16 tensor-core path (MmfSpec), dense and MUL_MAT_ID, against both references:
-float64 on dequantized weights and the emulation of its own f16 rounding (pytest -m gpu)."""
+float64 on dequantized weights and the emulation of its own f16 rounding (pytest -m gpu).
+q4_K's weights are q * f16(d*sc) - f16(dmin*m) rounded once; its stages hold whole
+super-blocks (kblocks at least 8) and its rows whole super-blocks (k rounded up to 256)."""
 import numpy as np
 import pytest
 
@@ -19,7 +21,18 @@ SPECS = [  # (x, y, warps, kblocks, stages, warps along the tokens, blocks shari
 
 def _spec(qtype, ids, x, y, warps, kblocks, stages, wn=1, splits=1):
     from moeforge.codegen.spec import MmfSpec
+    from moeforge.codegen.quant import quant_type
+    whole = quant_type(qtype).sub_blocks
+    if kblocks < whole:
+        # a K-quant stage holds whole super-blocks; three stages of them at 128 tokens would
+        # not fit an SM (264 KiB: the launch refuses it), two do
+        kblocks, stages = whole, (2 if x * whole >= 1024 else stages)
     return MmfSpec(qtype, x=x, y=y, warps=warps, kblocks=kblocks, stages=stages, ids=ids, wn=wn, splits=splits)
+
+
+def _k(qtype, k):
+    """k for qtype: q4_K rows hold whole super-blocks (256), so k is rounded up to them."""
+    return k if qtype != "q4_K" else -(-k // 256) * 256
 
 
 def _ids(rng, n, E, top_k, skew):
@@ -41,7 +54,7 @@ def _compare(got, emu, flt):
     assert e_flt <= NMSE_FLOAT, f"NMSE vs float64 {e_flt:.3e}"
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("E,top_k,m,k,n,skew,per_slot", [
     (8, 2, 96, 256, 33, False, False), (32, 4, 200, 416, 77, True, False), (128, 8, 72, 160, 300, True, False),
@@ -52,6 +65,7 @@ def test_mul_mat_id(rng, qtype, spec_i, E, top_k, m, k, n, skew, per_slot):
     import moeforge
     from moeforge.runtime import ops
     from moeforge.runtime.dispatch import Choice
+    k = _k(qtype, k)
     raw = ref.random_blocks(qtype, E * m, k, rng)
     w = moeforge.QuantTensor.from_blocks(raw, qtype, (E, m, k))
     x = (rng.standard_normal((n, top_k, k) if per_slot else (n, k)) * rng.uniform(0.1, 3.0)).astype(np.float32)
@@ -67,7 +81,7 @@ def test_mul_mat_id(rng, qtype, spec_i, E, top_k, m, k, n, skew, per_slot):
              ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids))
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("m,k,n", [(200, 416, 77), (5120 // 8, 2048, 512), (72, 96, 9)])
 def test_mul_mat(rng, qtype, spec_i, m, k, n):
@@ -75,6 +89,7 @@ def test_mul_mat(rng, qtype, spec_i, m, k, n):
     import moeforge
     from moeforge.runtime import ops
     from moeforge.runtime.dispatch import Choice
+    k = _k(qtype, k)
     raw = ref.random_blocks(qtype, m, k, rng)
     w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
     x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0)).astype(np.float32)
