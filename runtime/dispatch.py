@@ -163,7 +163,9 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     q8_0 87.6 -> 81.9, 73.7 -> 54.7, 285.6 -> 180.3, 241.6 -> 147.9; Qwen3 experts at
     n=4096 (256 an expert) q4_0 gate 699.4 -> 574.0, down 789.5 -> 607.2, q8_0 963.6 ->
     616.7, 1179.9 -> 649.6. At 128 tokens an expert they were even (0.94-1.06x), at 32 to 64
-    the int8 tiles won (0.77-0.94x). A profile entry whose study timed the f16 tiles as well
+    the int8 tiles won (0.77-0.94x). q4_K (stages of whole super-blocks) the same way:
+    Qwen3 experts n=4096 816.3 -> 716.1 us, at 128 an expert 386.0 against 428.2, and the
+    model's pp512 +6%. A profile entry whose study timed the f16 tiles as well
     overrides this (choose_mul_mat*); the shipped profiles predate them. On other cards the
     int8 tiles stay unless a profile says otherwise."""
     if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
