@@ -22,9 +22,13 @@ from .codegen.quant import QUANT_TYPES
 from .synth_vocab import add_tokenizer
 
 ARCH = "qwen3moe"
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K")
+# q4_K_M: llama.cpp's mix of that name (q4_K, with q6_K where it gives more bits: see
+# tensor_plan); q6_K, which moeforge converts to q8_0 as it loads (runtime/convert.py), only
+# in that mix or as --output-type/--embd-type (llama.cpp's Q4_0 files keep a q6_K head)
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M")
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q6_K")
 # llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K is closest to Q4_K_S (14)
-FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14}
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14, "q4_K_M": 15}
 
 
 @dataclass(frozen=True)
@@ -57,18 +61,28 @@ PRESETS = {
 }
 
 
+def more_bits(i: int, n: int) -> bool:
+    """The layers llama.cpp's K-quant mixes give more bits (llama-quant.cpp's use_more_bits:
+    the first and last eighth, and every third between), in its integer arithmetic."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
 def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, merged_gate_up=False,
                 tied_output=False):
     """[(name, numpy-order shape, type)] in the order llama.cpp's converter writes them."""
     d, E, ff = s.n_embd, s.n_expert, s.n_ff_exp
+    mix = qtype == "q4_K_M"
+    if mix:   # Q4_K_M: q6_K head, attn_v and ffn_down in more_bits layers, q4_K elsewhere
+        qtype, output_type = "q4_K", output_type or "q6_K"
     plan = [("token_embd.weight", (s.n_vocab, d), embd_type or qtype)]
     for i in range(s.n_layer):
         b = f"blk.{i}."
+        more = "q6_K" if mix and more_bits(i, s.n_layer) else qtype
         plan += [
             (b + "attn_norm.weight", (d,), "f32"),
             (b + "attn_q.weight", (s.n_head * s.head_dim, d), qtype),
             (b + "attn_k.weight", (s.n_head_kv * s.head_dim, d), qtype),
-            (b + "attn_v.weight", (s.n_head_kv * s.head_dim, d), qtype),
+            (b + "attn_v.weight", (s.n_head_kv * s.head_dim, d), more),
             (b + "attn_output.weight", (d, s.n_head * s.head_dim), qtype),
             (b + "attn_q_norm.weight", (s.head_dim,), "f32"),
             (b + "attn_k_norm.weight", (s.head_dim,), "f32"),
@@ -79,24 +93,31 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
             plan.append((b + "ffn_gate_up_exps.weight", (E, 2 * ff, d), qtype))
         else:
             plan += [(b + "ffn_gate_exps.weight", (E, ff, d), qtype), (b + "ffn_up_exps.weight", (E, ff, d), qtype)]
-        plan.append((b + "ffn_down_exps.weight", (E, d, ff), qtype))
+        plan.append((b + "ffn_down_exps.weight", (E, d, ff), more))
     plan.append(("output_norm.weight", (d,), "f32"))
     if not tied_output:
         plan.append(("output.weight", (s.n_vocab, d), output_type or qtype))
     return plan
 
 
+def _row_bytes(t: str, k: int) -> int:
+    from .runtime import convert
+    return QUANT_TYPES[t].row_bytes(k) if t in QUANT_TYPES else convert.row_bytes(t, k)
+
+
+def _block_values(t: str) -> int:
+    from .runtime import convert
+    return QUANT_TYPES[t].block_values if t in QUANT_TYPES else convert.block_size(t)[0]
+
+
 def nbytes_of(shape, t: str) -> int:
-    if t in QUANT_TYPES:
-        q = QUANT_TYPES[t]
-        return int(np.prod(shape[:-1])) * q.row_bytes(shape[-1])
-    return int(np.prod(shape)) * (4 if t == "f32" else 2)
+    if t in ("f32", "f16"):
+        return int(np.prod(shape)) * (4 if t == "f32" else 2)
+    return int(np.prod(shape[:-1])) * _row_bytes(t, shape[-1])
 
 
 def _byte_shape(shape, t: str):
-    if t in QUANT_TYPES:
-        return (*shape[:-1], QUANT_TYPES[t].row_bytes(shape[-1]))
-    return shape
+    return shape if t in ("f32", "f16") else (*shape[:-1], _row_bytes(t, shape[-1]))
 
 
 def _np_dtype(t: str):
@@ -153,6 +174,9 @@ class _Weights:
         w = (self.rng(name).standard_normal(shape, dtype=np.float32) * np.float32(self.std(name, shape)))
         if self.skewed and name == "token_embd.weight":
             w[:, ::32] = np.abs(w[:, ::32]) + 1.5
+        if t == "q6_K":
+            from .runtime.quantize import quantize_q6_k
+            return quantize_q6_k(w.reshape(-1, shape[-1]))
         if t in QUANT_TYPES:
             from .runtime.quantize import quantize
             return quantize(w, QUANT_TYPES[t])
@@ -168,7 +192,12 @@ class _BlockPool:
     def __init__(self, t: str, rng: np.random.Generator):
         from .reference import random_blocks
         self.t = t
-        if t in QUANT_TYPES:
+        if t == "q6_K":   # no random_blocks for it: quantized normals of the pool's float scale
+            from .runtime.quantize import quantize_q6_k
+            self.unit = 210
+            n = self.POOL_BYTES // 4 // self.unit   # quantizing is the cost: a quarter of the pool
+            self.pool = quantize_q6_k(rng.standard_normal((n, 256), dtype=np.float32) * np.float32(0.02)).reshape(-1)
+        elif t in QUANT_TYPES:
             q = QUANT_TYPES[t]
             nb = self.POOL_BYTES // q.block_bytes
             self.unit = q.block_bytes
@@ -195,17 +224,21 @@ def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = 
                    tied_output: bool = False, name: str | None = None, progress=None) -> dict:
     """Write the file, streaming tensor by tensor; returns sizes and the time taken."""
     import gguf
-    for t in (qtype, embd_type or qtype, output_type or qtype):
-        if t not in TYPES:
-            raise ValueError(f"type {t!r}: synth writes {', '.join(TYPES)}")
+    if qtype not in TYPES:
+        raise ValueError(f"type {qtype!r}: synth writes {', '.join(TYPES)}")
+    for t in (embd_type, output_type):
+        if t is not None and t not in TENSOR_TYPES:
+            raise ValueError(f"tensor type {t!r}: synth writes {', '.join(TENSOR_TYPES)}")
     if source not in ("blocks", "float"):
         raise ValueError(f"source must be 'blocks' or 'float', got {source!r}")
     plan = tensor_plan(spec, qtype, embd_type=embd_type, output_type=output_type,
                        merged_gate_up=merged_gate_up, tied_output=tied_output)
     for tname, shape, t in plan:
-        if t in QUANT_TYPES and shape[-1] % QUANT_TYPES[t].block_values:
+        if t not in ("f32", "f16") and shape[-1] % _block_values(t):
             raise ValueError(f"{tname}: rows of {shape[-1]} weights are not whole {t} blocks of "
-                             f"{QUANT_TYPES[t].block_values} (the tiny-k preset's rows are)")
+                             f"{_block_values(t)} (the tiny-k preset's rows are)")
+        if skewed_router and source == "blocks" and tname == "token_embd.weight" and t == "q6_K":
+            raise ValueError("a skewed router keys on the embedding's blocks: give it q4_0, q8_0 or q4_K")
     t0 = time.perf_counter()
     tmp = f"{path}.tmp{os.getpid()}"
     w = gguf.GGUFWriter(tmp, ARCH)
@@ -215,7 +248,7 @@ def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = 
     for tname, shape, t in plan:
         nb = nbytes_of(shape, t)
         total += nb
-        raw_dtype = None if t in ("f32", "f16") else QUANT_TYPES[t].ggml_type
+        raw_dtype = None if t in ("f32", "f16") else gguf.GGMLQuantizationType[t.upper()]
         w.add_tensor_info(tname, _byte_shape(shape, t), _np_dtype(t), nb, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

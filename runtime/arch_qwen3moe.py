@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .convert import FOREIGN, converted
 from .gguf_file import FLOAT_TYPES, Expect, GGUFError, GGUFFile, TensorRef, check_tensors
 
 ARCH = "qwen3moe"
@@ -171,7 +172,8 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""
     hp = read_hparams(f)
     check_tensors(f, expected_tensors(hp, f))
-    T = f.tensors
+    # types without kernels (q6_K, ...) load as q8_0; checked above as the file has them
+    T = {name: converted(ref) if ref.qtype in FOREIGN else ref for name, ref in f.tensors.items()}
     for name in T:
         if T[name].qtype in FLOAT_TYPES or T[name].quantized:
             continue

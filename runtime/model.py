@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 
 from . import arch_qwen3moe, graph_qwen3moe
+from .convert import note
 from .gguf_file import GGUFError, GGUFFile
 
 ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe)}
@@ -28,6 +30,9 @@ class Model:
         arch, graph = ARCHS[arch_name]
         self._forward = graph.forward
         refs = arch.open_model(f, merge=merge_gate_up)   # validates everything before any upload
+        converting = note(f)
+        if converting:
+            warnings.warn(f"moeforge: {converting}", stacklevel=2)
         self.file, self.path, self.arch, self.hp = f, f.path, arch_name, refs.hp
         if backend == "numpy":
             from .backend_numpy import NumpyBackend

@@ -60,3 +60,33 @@ def pack_q4_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     out[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
     out[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
     return out
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Float rows (rows, k), k a multiple of 256 -> q6_K blocks (rows, k // 256 * 210), uint8.
+    A plain quantizer like quantize_q4_k: each 16 weights' scale spans their largest
+    magnitude over 31 levels, the super-block's d the largest scale over 127 (moeforge has
+    no q6_K kernels; the files it writes are for the load-time conversion and its tests)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, k = x.shape
+    nsb = k // 256
+    grp = x.reshape(rows, nsb, 16, 16).astype(np.float64)
+    scale = np.abs(grp).max(axis=-1) / 31.0                      # (rows, nsb, 16)
+    d = (scale.max(axis=-1) / 127.0).astype(np.float16)
+    d64 = d.astype(np.float64)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d64 > 0, np.rint(scale / d64), 0).clip(-128, 127).astype(np.int8)
+        step = (d64 * sc)[..., None]
+        qv = np.where(step != 0, np.rint(grp / step), 0)
+    qv = (qv.clip(-32, 31) + 32).astype(np.uint8).reshape(rows, nsb, 2, 4, 32)   # halves, quarters
+    lo, hi = qv & 15, qv >> 4
+    out = np.empty((rows, nsb, 210), dtype=np.uint8)
+    # ggml's order: ql byte l of a half holds quarters 0 (low) and 2 (high), byte 32+l quarters
+    # 1 and 3; qh byte l holds the top two bits of quarters 0-3 at bits 0, 2, 4, 6
+    ql = np.concatenate([lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)], axis=-1)
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    out[..., 0:128] = ql.reshape(rows, nsb, 128)
+    out[..., 128:192] = qh.reshape(rows, nsb, 64)
+    out[..., 192:208] = sc.view(np.uint8)
+    out[..., 208:210] = d.view(np.uint8).reshape(rows, nsb, 2)
+    return out.reshape(rows, nsb * 210)

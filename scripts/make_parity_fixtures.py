@@ -2,8 +2,8 @@
 """Regenerate the llama.cpp parity fixtures (tests/fixtures/parity/).
 
 Writes tiny qwen3moe GGUF files with moeforge's synth writer (seeded float weights,
-quantized by gguf's reference quantizer, q4_K by moeforge's own: bit-identical on every
-run; the q4_K file is a wider model, rows of whole super-blocks), evaluates them with
+quantized by gguf's reference quantizer, q4_K and q6_K by moeforge's own: bit-identical on
+every run; the K-quant files are a wider model, rows of whole super-blocks), evaluates them with
 llama.cpp on the CPU through llama-cpp-python (F32 KV cache, flash attention off, one
 ubatch, logits for every position), and keeps only the logits, the token ids and a hash
 of the weights; the tests rewrite the GGUF files from manifest.json.
@@ -38,6 +38,9 @@ SPEC = dict(n_vocab=384, n_embd=128, n_layer=3, n_head=4, n_head_kv=2, head_dim=
 SEED = 20240917
 N_TOKENS = 80
 MIN_MARGIN = 0.05      # logits (their spread is ~1; rounding noise vs llama.cpp ~0.01)
+# K-quant files: llama.cpp's activations in q8_K (one scale a 256 values) move logits by up
+# to ~0.1 against the numpy backend, so their tokens keep a wider lead
+MIN_MARGIN_K = 0.1
 ROUTER_GAP = 0.10      # router logits (spread ~2)
 FIXTURES = {
     "f32": dict(qtype="f32"),
@@ -50,7 +53,11 @@ FIXTURES = {
 # K-quants need rows of whole 256-weight super-blocks: a wider model, its own tokens
 SPEC_K = dict(SPEC, n_embd=256, head_dim=64, n_ff_exp=256, n_ff=768)
 FIXTURES_K = {"q4_K": dict(qtype="q4_K")}
-GROUPS = {"base": (SPEC, FIXTURES), "k": (SPEC_K, FIXTURES_K)}
+# llama.cpp's Q4_K_M mix: q6_K head, attn_v and ffn_down in the last of the three layers
+# (moeforge converts q6_K to q8_0 as it loads; llama.cpp runs q6_K itself)
+FIXTURES_KM = {"q4_K_M": dict(qtype="q4_K_M")}
+GROUPS = {"base": (SPEC, FIXTURES, MIN_MARGIN), "k": (SPEC_K, FIXTURES_K, MIN_MARGIN_K),
+          "k_m": (SPEC_K, FIXTURES_KM, MIN_MARGIN_K)}
 
 
 def weights_sha256(path: str) -> str:
@@ -93,7 +100,8 @@ def margins(logits: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def choose_tokens(paths: dict, rng: np.random.Generator, tries: int, n_vocab: int) -> np.ndarray:
+def choose_tokens(paths: dict, rng: np.random.Generator, tries: int, n_vocab: int,
+                  min_margin: float = MIN_MARGIN) -> np.ndarray:
     """Greedy, one position at a time (the margins at position i depend only on tokens
     up to i), judged by the numpy backend emulating moeforge's kernels."""
     from moeforge.runtime.model import load_model
@@ -117,7 +125,7 @@ def choose_tokens(paths: dict, rng: np.random.Generator, tries: int, n_vocab: in
             for m in models:
                 last = m.eval([cand])[-1]
                 done.append(m)
-                if margins(last[None])[0] < MIN_MARGIN or min(gaps) < ROUTER_GAP:
+                if margins(last[None])[0] < min_margin or min(gaps) < ROUTER_GAP:
                     ok = False
                     break
             if ok:
@@ -147,8 +155,8 @@ def main(argv=None) -> int:
         manifest = {"llama_cpp_python": llama_cpp.__version__, "n_tokens": N_TOKENS, "min_margin": MIN_MARGIN,
                     "router_gap": ROUTER_GAP, "fixtures": {}}
     for group in args.group or sorted(GROUPS):
-        spec, fixtures = GROUPS[group]
-        if make_group(args, manifest, spec, fixtures, llama_cpp.__version__):
+        spec, fixtures, min_margin = GROUPS[group]
+        if make_group(args, manifest, spec, fixtures, min_margin, llama_cpp.__version__):
             return 1
     with open(mpath, "w") as fh:
         json.dump(manifest, fh, indent=1, sort_keys=True)
@@ -156,7 +164,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def make_group(args, manifest, spec, fixtures, llama_version) -> int:
+def make_group(args, manifest, spec, fixtures, min_margin, llama_version) -> int:
     """One group's fixtures (one model spec, its own token sequence) into manifest."""
     from moeforge.runtime.model import load_model
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,12 +173,13 @@ def make_group(args, manifest, spec, fixtures, llama_version) -> int:
             entry = {"spec": spec, "seed": SEED, "args": a, "llama_cpp_python": llama_version}
             paths[name] = os.path.join(tmp, f"{name}.gguf")
             write_fixture_model(paths[name], entry)
-            manifest["fixtures"][name] = dict(entry, file=f"{name}.npz", weights_sha256=weights_sha256(paths[name]))
-        tokens = choose_tokens(paths, np.random.default_rng(SEED), args.tries, spec["n_vocab"])
+            manifest["fixtures"][name] = dict(entry, file=f"{name}.npz", weights_sha256=weights_sha256(paths[name]),
+                                              min_margin=min_margin)
+        tokens = choose_tokens(paths, np.random.default_rng(SEED), args.tries, spec["n_vocab"], min_margin)
         logits = {name: llama_logits(p, tokens) for name, p in paths.items()}
         worst = min(float(margins(v).min()) for v in logits.values())
         print(f"smallest top-1 margin in llama.cpp's logits: {worst:.4f}", file=sys.stderr)
-        if worst < MIN_MARGIN / 2:
+        if worst < min_margin / 2:
             print("llama.cpp disagrees with the numpy backend on the margins; not writing fixtures",
                   file=sys.stderr)
             return 1

@@ -10,7 +10,8 @@ from moeforge.runtime.model import load_model
 
 pytestmark = pytest.mark.gpu
 
-FIXTURES = ["f32", "f16", "q8_0", "q4_0", "q4_0-tied"]
+# q4_K_M: llama.cpp's mix, its q6_K tensors converted to q8_0 as they load
+FIXTURES = ["f32", "f16", "q8_0", "q4_0", "q4_0-tied", "q4_K", "q4_K_M"]
 
 
 def _decode_logits(fx, toks, **backend):
@@ -37,7 +38,7 @@ def test_cuda_matches_llama_cpp(parity_models, name):
         assert np.abs(got - fx["logits"]).max() < 1e-3
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_K", "q4_K_M"])
 def test_f16_tensor_core_products_match_llama_cpp(parity_models, name, monkeypatch):
     """Every quantized prompt product on the f16 path (the rule's thresholds dropped to
     nothing, the card's generation ignored): the same bar against llama.cpp, and the path

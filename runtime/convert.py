@@ -1,0 +1,91 @@
+"""GGUF types moeforge has no kernels for, converted to q8_0 as they load.
+
+Real files mix types: llama.cpp's Q4_K_M gives the output head, and attn_v and ffn_down in
+half the layers, q6_K; its Q4_0 keeps a q6_K head. Such a file is not refused:
+each tensor of a type gguf can dequantize is dequantized with gguf's reference dequantizer
+and requantized to q8_0 with gguf's reference quantizer (ggml's quantize_row_q8_0), on the
+host, in row chunks spread over threads (numpy lets go of the GIL in its loops). q8_0 is the
+most precise format the kernels take: a weight moves by at most half a q8_0 step (a block's
+largest magnitude / 254), about a quarter of q6_K's own step, and costs 8.5 bits against
+q6_K's 6.56. Both backends load the same converted bytes, so the numpy backend stays the
+reference of the GPU's results; llama.cpp, which runs q6_K itself, differs by the requantization
+(the q4_K_M parity fixture measures it).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..codegen.quant import QUANT_TYPES
+
+TARGET = "q8_0"
+# ggml names of the types converted (those gguf's dequantizer knows and the kernels do not)
+FOREIGN = ("q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q5_K", "q6_K", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs",
+           "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
+CHUNK_WEIGHTS = 1 << 18   # per task: ~1 MB of float32, small enough that threads do not queue on fresh mmaps
+
+
+def ggml_type(name: str):
+    import gguf
+    return getattr(gguf.GGMLQuantizationType, name.upper())
+
+
+def block_size(name: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of a foreign type."""
+    import gguf
+    return gguf.GGML_QUANT_SIZES[ggml_type(name)]
+
+
+def row_bytes(name: str, k: int) -> int:
+    values, nbytes = block_size(name)
+    return k // values * nbytes
+
+
+def to_q8_0(raw: np.ndarray, qtype: str, k: int, threads: int | None = None) -> np.ndarray:
+    """GGUF rows of a foreign type, uint8 (rows, row_bytes) -> q8_0 rows, bit for bit what
+    gguf.quants.quantize(gguf.quants.dequantize(...), Q8_0) gives. gguf's block functions
+    are called on large chunks: its own entry points loop in Python over 16-row groups,
+    which holds the GIL (5x slower, and no gain from threads)."""
+    from gguf import quants
+    src, q8 = getattr(quants, qtype.upper()), quants.Q8_0
+    src.init_grid()   # the i-quants' lattices; nothing for the others
+    values, nbytes = block_size(qtype)
+    blocks = np.ascontiguousarray(raw).reshape(-1, nbytes)
+    out = np.empty((blocks.shape[0] * values // 32, 34), dtype=np.uint8)
+    step = max(1, CHUNK_WEIGHTS // values)
+
+    def one(lo: int) -> None:
+        w = src.dequantize_blocks(blocks[lo:lo + step]).reshape(-1, 32)
+        out[lo * values // 32:(lo + step) * values // 32] = q8.quantize_blocks(w)
+
+    starts = range(0, blocks.shape[0], step)
+    if len(starts) == 1 or threads == 1:
+        for lo in starts:
+            one(lo)
+    else:
+        with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
+            list(pool.map(one, starts))
+    return out.reshape(-1, QUANT_TYPES[TARGET].row_bytes(k))
+
+
+def converted(ref):
+    """A TensorRef of a foreign type as the q8_0 TensorRef its load produces."""
+    from .gguf_file import TensorRef
+    k = ref.shape[-1]
+    return TensorRef(ref.name, TARGET, ref.shape, lambda: to_q8_0(ref.load(), ref.qtype, k))
+
+
+def note(f) -> str | None:
+    """One line on what a file's load converts, or None."""
+    counts: dict[str, list[int]] = {}
+    for ref in f.tensors.values():
+        if ref.qtype in FOREIGN:
+            c = counts.setdefault(ref.qtype, [0, 0])
+            c[0] += 1
+            c[1] += int(np.prod(ref.shape[:-1])) * QUANT_TYPES[TARGET].row_bytes(ref.shape[-1]) - ref.nbytes
+    if not counts:
+        return None
+    parts = ", ".join(f"{n} {t} tensors (+{extra / 2**20:.1f} MiB)" for t, (n, extra) in counts.items())
+    return f"{f.path}: {parts} run as {TARGET}, converted as they load (moeforge has no kernels for them)"

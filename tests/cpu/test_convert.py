@@ -1,0 +1,110 @@
+"""GGUF types without kernels (q6_K, ...) converted to q8_0 as they load (runtime/convert.py),
+and the q6_K quantizer that writes them (runtime/quantize.py)."""
+import warnings
+
+import numpy as np
+import pytest
+
+from moeforge.runtime import convert
+from moeforge.runtime.quantize import quantize_q6_k
+
+
+def _dequantize(raw, name, k):
+    import gguf
+    from gguf import quants
+    return quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name.upper())).reshape(-1, k)
+
+
+def test_q6_k_blocks_are_ggmls_layout(rng):
+    """gguf's dequantizer reads the quantizer's blocks back within half a step of each
+    16-weight group (d * scale / 2): a wrong nibble or high-bit order would be off by far
+    more."""
+    x = (rng.standard_normal((5, 512)) * rng.uniform(0.01, 2.0)).astype(np.float32)
+    x[0, :16] = 0.0                                   # a group with nothing in it
+    raw = quantize_q6_k(x)
+    assert raw.shape == (5, 2 * 210) and raw.dtype == np.uint8
+    w = _dequantize(raw, "q6_K", 512)
+    blocks = raw.reshape(5, 2, 210)
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float64)     # (5, 2)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float64)               # (5, 2, 16)
+    half_step = np.repeat((np.abs(d[..., None] * sc) / 2).reshape(5, 32), 16, axis=1)
+    assert (np.abs(w - x) <= half_step * (1 + 1e-3) + 1e-12).all()
+    assert (w[0, :16] == 0).all()
+    assert ((w - x) ** 2).mean() / (x ** 2).mean() < 1e-3
+
+
+@pytest.mark.parametrize("name", ["q6_K", "q5_0"])
+def test_conversion_moves_a_weight_by_half_a_q8_0_step_at_most(rng, name, monkeypatch):
+    from gguf import GGMLQuantizationType, quants
+    k = 512
+    x = (rng.standard_normal((37, k)) * 0.05).astype(np.float32)
+    raw = quantize_q6_k(x) if name == "q6_K" else quants.quantize(x, GGMLQuantizationType.Q5_0)
+    src = _dequantize(raw, name, k)
+    out = convert.to_q8_0(raw, name, k)
+    assert out.shape == (37, k // 32 * 34)
+    # bit for bit gguf's own entry points (which the converter bypasses for speed)
+    np.testing.assert_array_equal(out, quants.quantize(src, GGMLQuantizationType.Q8_0))
+    got = _dequantize(out, "q8_0", k)
+    # q = round(x / d) with d = amax / 127 in float32, then d stored as f16 (ggml's reference)
+    amax = np.abs(src.reshape(37, -1, 32)).max(-1).astype(np.float64)
+    d_exact = amax / 127
+    d16 = (amax.astype(np.float32) / np.float32(127)).astype(np.float16).astype(np.float64)
+    bound = d_exact / 2 + 127 * np.abs(d16 - d_exact) + 1e-9
+    assert (np.abs(got - src).reshape(37, -1, 32) <= bound[..., None] * (1 + 1e-6)).all()
+    # the chunked, threaded path writes the same bytes as one chunk
+    monkeypatch.setattr(convert, "CHUNK_WEIGHTS", 3 * k)
+    np.testing.assert_array_equal(convert.to_q8_0(raw, name, k, threads=3), out)
+
+
+@pytest.mark.parametrize("name", convert.FOREIGN)
+def test_every_listed_type_converts(rng, name):
+    """gguf's dequantizer knows every type the loader promises to convert."""
+    values, nbytes = convert.block_size(name)
+    k = 2 * max(values, 32)
+    raw = rng.integers(0, 256, size=(3, k // values * nbytes), dtype=np.uint8)
+    with np.errstate(all="ignore"):        # random bytes make some f16 scales inf or nan
+        out = convert.to_q8_0(raw, name, k)
+    assert out.shape == (3, k // 32 * 34)
+
+
+def test_a_q4_k_m_file_loads_with_its_q6_k_tensors_as_q8_0(tmp_path):
+    from moeforge.runtime.arch_qwen3moe import open_model
+    from moeforge.runtime.gguf_file import GGUFFile
+    from moeforge.runtime.model import load_model
+    from moeforge.synth import preset, tensor_plan, write_qwen3moe
+    path = str(tmp_path / "m.gguf")
+    write_qwen3moe(path, preset("tiny-k"), "q4_K_M", seed=3)
+    f = GGUFFile(path)
+    q6 = sorted(n for n, t in f.tensors.items() if t.qtype == "q6_K")
+    # llama.cpp's Q4_K_M on two layers: layer 1 (the last eighth) gets the extra bits
+    assert q6 == ["blk.1.attn_v.weight", "blk.1.ffn_down_exps.weight", "output.weight"]
+    assert {t for _, _, t in tensor_plan(preset("tiny-k"), "q4_K_M")} == {"f32", "q4_K", "q6_K"}
+    refs = open_model(f)
+    assert refs.output.qtype == "q8_0" and refs.layers[1].wv.qtype == "q8_0" and refs.layers[0].wv.qtype == "q4_K"
+    want = _dequantize(f.tensors["output.weight"].load(), "q6_K", 256)
+    got = _dequantize(refs.output.load(), "q8_0", 256)
+    assert np.abs(got - want).max() <= np.abs(want).max() / 127     # half a step, with room for f16's d
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = load_model(path, backend="numpy")
+    assert any("3 q6_K tensors" in str(w.message) and "q8_0" in str(w.message) for w in caught)
+    assert m.n_bytes == sum(t.nbytes for t in f.tensors.values())
+    assert f.tensors["output.weight"].nbytes == 512 * 210          # the file's bytes, not q8_0's
+    assert np.isfinite(m.logits([1, 2, 3])).all()
+
+
+def test_more_bits_follows_llama_cpp():
+    from moeforge.synth import more_bits
+    # 48 layers (Qwen3-30B-A3B): the first and last six, and 8, 11, ..., 41
+    want = set(range(6)) | set(range(42, 48)) | set(range(8, 42, 3))
+    assert {i for i in range(48) if more_bits(i, 48)} == want
+
+
+def test_a_row_that_is_not_whole_blocks_is_refused():
+    """A q6_K row of 128 weights (half a super-block) is named before anything loads."""
+    from types import SimpleNamespace
+    from moeforge.runtime.gguf_file import Expect, GGUFError, TensorRef, check_tensors
+    f = SimpleNamespace(path="bad.gguf", architecture="qwen3moe",
+                        tensors={"x.weight": TensorRef("x.weight", "q6_K", (4, 128), lambda: None)})
+    with pytest.raises(GGUFError, match="x.weight.*row length 128.*q6_K"):
+        check_tensors(f, {"x.weight": Expect((4, 128))})
