@@ -4,7 +4,7 @@ Real files mix types: llama.cpp's Q4_K_M gives the output head, and attn_v and f
 half the layers, q6_K; its Q4_0 keeps a q6_K head. Such a file is not refused:
 each tensor of a type gguf can dequantize is dequantized with gguf's reference dequantizer
 and requantized to q8_0 with gguf's reference quantizer (ggml's quantize_row_q8_0), on the
-host, in row chunks spread over threads (numpy lets go of the GIL in its loops). q8_0 is the
+host, in chunks of blocks spread over threads (numpy lets go of the GIL in its loops). q8_0 is the
 most precise format the kernels take: a weight moves by at most half a q8_0 step (a block's
 largest magnitude / 254), about a quarter of q6_K's own step, and costs 8.5 bits against
 q6_K's 6.56. Both backends load the same converted bytes, so the numpy backend stays the
@@ -53,7 +53,7 @@ def to_q8_0(raw: np.ndarray, qtype: str, k: int, threads: int | None = None) -> 
     src.init_grid()   # the i-quants' lattices; nothing for the others
     values, nbytes = block_size(qtype)
     blocks = np.ascontiguousarray(raw).reshape(-1, nbytes)
-    out = np.empty((blocks.shape[0] * values // 32, 34), dtype=np.uint8)
+    out = np.empty((blocks.shape[0] * values // 32, QUANT_TYPES[TARGET].block_bytes), dtype=np.uint8)
     step = max(1, CHUNK_WEIGHTS // values)
 
     def one(lo: int) -> None:
