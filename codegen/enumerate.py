@@ -73,9 +73,9 @@ def mmf_specs(q: QuantType) -> list[MmfSpec]:
     if q.name not in MmfSpec.QTYPES:
         return []
 
-    def whole(t):   # a K-quant stage holds whole super-blocks: kblocks raised to 8
+    def whole(t):
         x, y, w, kb, st = t
-        return x, y, w, max(kb, q.sub_blocks), st
+        return x, y, w, q.whole_kblocks(kb), st
     out = [MmfSpec(q.name, *whole(t), ids=ids) for ids in (True, False) for t in MMF_TILES]
     out += [MmfSpec(q.name, *whole(t), ids=False, splits=s) for t in MMF_SPLIT_TILES for s in MMF_SPLITS]
     return list(dict.fromkeys(out))

@@ -59,6 +59,11 @@ class QuantType:
         with zeros, so that a k-chunk may run past the end of a row and read zero scales."""
         return 1024 // KERNEL_BLOCK
 
+    def whole_kblocks(self, kblocks: int) -> int:
+        """kblocks raised to whole super-blocks: the stage depth of a tile that asked for
+        kblocks (a stage's scales are whole super-blocks, quant_q4_K.cuh.j2)."""
+        return -(-kblocks // self.sub_blocks) * self.sub_blocks
+
     def blocks_per_row(self, k: int) -> int:
         """Kernel blocks (32 weights) per row of k weights."""
         if k % self.block_values:

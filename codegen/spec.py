@@ -32,6 +32,13 @@ class KernelSpec:
     def check(self) -> None:
         """Raise ValueError when the spec cannot be generated at all."""
 
+    def _check_whole_super_blocks(self) -> None:
+        """Tiles whose stages carry kblocks: a stage's scales are whole super-blocks
+        (quant_q4_K.cuh.j2 finds its own; QuantType.whole_kblocks rounds up to them)."""
+        q = self.quant
+        if self.kblocks % q.sub_blocks:
+            raise ValueError(f"{self.name}: kblocks must hold whole {q.name} super-blocks ({q.sub_blocks} blocks)")
+
     def to_dict(self) -> dict:
         return {"family": self.family, **asdict(self)}
 
@@ -200,10 +207,7 @@ class MmqSpec(KernelSpec):
         return self.x_q_slots + self.x_d_slots
 
     def check(self) -> None:
-        q = self.quant
-        if self.kblocks % q.sub_blocks:
-            # a stage's scales are whole super-blocks (quant_q4_K.cuh.j2 finds its own)
-            raise ValueError(f"{self.name}: kblocks must hold whole {q.name} super-blocks ({q.sub_blocks} blocks)")
+        self._check_whole_super_blocks()
         if self.x % 8 or not 8 <= self.x <= 128:
             raise ValueError(f"{self.name}: x must be a multiple of 8 in [8, 128]")
         if self.y % (16 * self.warps):
@@ -407,9 +411,7 @@ class MmfSpec(KernelSpec):
             raise ValueError(f"{self.name}: y must be a multiple of 16 * the row warps, at most 256")
         if self.kblocks not in (2, 4, 8, 16):
             raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
-        if self.kblocks % self.quant.sub_blocks:
-            raise ValueError(f"{self.name}: kblocks must hold whole {self.qtype} super-blocks "
-                             f"({self.quant.sub_blocks} blocks)")
+        self._check_whole_super_blocks()
         if self.stages not in (2, 3, 4):
             raise ValueError(f"{self.name}: stages must be 2, 3 or 4")
         if self.splits not in (1, 2, 3, 4):

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from .codegen.quant import QUANT_TYPES
+from .runtime.convert import block_size, row_bytes
 from .synth_vocab import add_tokenizer
 
 ARCH = "qwen3moe"
@@ -100,24 +101,14 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
     return plan
 
 
-def _row_bytes(t: str, k: int) -> int:
-    from .runtime import convert
-    return QUANT_TYPES[t].row_bytes(k) if t in QUANT_TYPES else convert.row_bytes(t, k)
-
-
-def _block_values(t: str) -> int:
-    from .runtime import convert
-    return QUANT_TYPES[t].block_values if t in QUANT_TYPES else convert.block_size(t)[0]
-
-
 def nbytes_of(shape, t: str) -> int:
     if t in ("f32", "f16"):
         return int(np.prod(shape)) * (4 if t == "f32" else 2)
-    return int(np.prod(shape[:-1])) * _row_bytes(t, shape[-1])
+    return int(np.prod(shape[:-1])) * row_bytes(t, shape[-1])
 
 
 def _byte_shape(shape, t: str):
-    return shape if t in ("f32", "f16") else (*shape[:-1], _row_bytes(t, shape[-1]))
+    return shape if t in ("f32", "f16") else (*shape[:-1], row_bytes(t, shape[-1]))
 
 
 def _np_dtype(t: str):
@@ -234,9 +225,9 @@ def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = 
     plan = tensor_plan(spec, qtype, embd_type=embd_type, output_type=output_type,
                        merged_gate_up=merged_gate_up, tied_output=tied_output)
     for tname, shape, t in plan:
-        if t not in ("f32", "f16") and shape[-1] % _block_values(t):
+        if t not in ("f32", "f16") and shape[-1] % block_size(t)[0]:
             raise ValueError(f"{tname}: rows of {shape[-1]} weights are not whole {t} blocks of "
-                             f"{_block_values(t)} (the tiny-k preset's rows are)")
+                             f"{block_size(t)[0]} (the tiny-k preset's rows are)")
         if skewed_router and source == "blocks" and tname == "token_embd.weight" and t == "q6_K":
             raise ValueError("a skewed router keys on the embedding's blocks: give it q4_0, q8_0 or q4_K")
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ def ggml_type(name: str):
 
 
 def block_size(name: str) -> tuple[int, int]:
-    """(weights, bytes) of one block of a foreign type."""
+    """(weights, bytes) of one block of any GGUF block type (moeforge's own or foreign)."""
     import gguf
     return gguf.GGML_QUANT_SIZES[ggml_type(name)]
 

@@ -182,8 +182,7 @@ def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int) -
     """The rule's tile on a card of sm_count SMs (a dense product of m rows may split k)."""
     splits = mmf_dense_splits(n, m, sm_count) if not ids and m is not None else 1
     x, y, warps, kblocks, stages = MMF_WIDE_TILE
-    kblocks = max(kblocks, quant_type(qtype).sub_blocks)   # K-quant stages: whole super-blocks
-    return MmfSpec(qtype, x, y, warps, kblocks, stages, ids=ids, splits=splits)
+    return MmfSpec(qtype, x, y, warps, quant_type(qtype).whole_kblocks(kblocks), stages, ids=ids, splits=splits)
 
 
 def _measured_f16(found: Choice | None) -> bool:

@@ -13,9 +13,7 @@ from typing import Callable
 import numpy as np
 
 from ..codegen.quant import QUANT_TYPES, type_name
-from .convert import FOREIGN
-from .convert import block_size as foreign_block_size
-from .convert import row_bytes as foreign_row_bytes
+from .convert import FOREIGN, block_size, row_bytes
 
 # Types a weight matrix may have: moeforge's quantized formats, plain floats, and the GGUF
 # types converted to q8_0 as they load (runtime/convert.py).
@@ -42,11 +40,9 @@ class TensorRef:
 
     @property
     def nbytes(self) -> int:
-        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
-        if self.quantized:
-            return rows * QUANT_TYPES[self.qtype].row_bytes(self.shape[-1])
-        if self.qtype in FOREIGN:
-            return rows * foreign_row_bytes(self.qtype, self.shape[-1])
+        if self.quantized or self.qtype in FOREIGN:
+            rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+            return rows * row_bytes(self.qtype, self.shape[-1])
         return int(np.prod(self.shape)) * {"f32": 4, "f16": 2, "bf16": 2}.get(self.qtype, 4)
 
 
@@ -117,10 +113,6 @@ class Expect:
     required: bool = True
 
 
-def _block_values(qtype: str) -> int:
-    return QUANT_TYPES[qtype].block_values if qtype in QUANT_TYPES else foreign_block_size(qtype)[0]
-
-
 def check_tensors(f: GGUFFile, expected: dict[str, Expect]) -> None:
     """Every expected tensor present with its shape and an allowed type, and nothing else;
     all problems in one error, so a broken converter is fixed in one go."""
@@ -135,7 +127,7 @@ def check_tensors(f: GGUFFile, expected: dict[str, Expect]) -> None:
             problems.append(f"tensor {name!r} has shape {t.shape}, expected {ex.shape}")
         if t.qtype not in ex.types:
             problems.append(f"tensor {name!r} is {t.qtype}, expected one of {', '.join(ex.types)}")
-        elif (t.qtype in QUANT_TYPES or t.qtype in FOREIGN) and t.shape[-1] % _block_values(t.qtype):
+        elif (t.quantized or t.qtype in FOREIGN) and t.shape[-1] % block_size(t.qtype)[0]:
             problems.append(f"tensor {name!r}: row length {t.shape[-1]} is not a multiple of the "
                             f"{t.qtype} block size")
     extra = sorted(set(f.tensors) - set(expected))

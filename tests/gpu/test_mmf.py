@@ -22,8 +22,8 @@ SPECS = [  # (x, y, warps, kblocks, stages, warps along the tokens, blocks shari
 def _spec(qtype, ids, x, y, warps, kblocks, stages, wn=1, splits=1):
     from moeforge.codegen.spec import MmfSpec
     from moeforge.codegen.quant import quant_type
-    whole = quant_type(qtype).sub_blocks
-    if kblocks < whole:
+    whole = quant_type(qtype).whole_kblocks(kblocks)
+    if whole != kblocks:
         # a K-quant stage holds whole super-blocks; three stages of them at 128 tokens would
         # not fit an SM (264 KiB: the launch refuses it), two do
         kblocks, stages = whole, (2 if x * whole >= 1024 else stages)
