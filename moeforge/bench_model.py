@@ -171,9 +171,12 @@ def main(args) -> int:
     n_ctx = args.ctx if args.sweep else max(args.d) + max([*args.p, *args.n, 1]) + 1
     if args.profile:
         n_ctx = max(n_ctx, max(args.d) + PROFILE_PAST + args.ubatch + 1)
+    t0 = time.perf_counter()
     model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch,
                        attn_precision=getattr(args, "attn_precision", None),
                        cache_type=getattr(args, "cache_type", "f32"))
+    load_s = time.perf_counter() - t0
+    print(f"moeforge bench: {args.model} loaded in {load_s:.1f} s", file=sys.stderr)
     label = "moeforge CUDA" if args.backend == "cuda" else "moeforge numpy"
     if args.profile:
         return _profile(model, args)
@@ -186,7 +189,7 @@ def main(args) -> int:
         print(format_llama_bench(model, rows, label))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"model": args.model, "label": model_label(model), "backend": label,
+            json.dump({"model": args.model, "label": model_label(model), "backend": label, "load_s": round(load_s, 2),
                        "cache_type": model.backend.cache_type,
                        "sweep" if args.sweep else "tests": rows}, fh, indent=1)
     return 0

@@ -117,12 +117,12 @@ def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
 
 def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
     """(E, ff, k) gate and up -> (E, 2*ff, k), gate rows first: one GEMM instead of two.
-    The concatenation is the one host copy these bytes make."""
+    The concatenation is made where the bytes are loaded to (load(cupy): on the device)."""
     E, ff, k = gate.shape
 
-    def load():
-        g, u = gate.load(), up.load()
-        return np.concatenate([g.reshape(E, ff, -1), u.reshape(E, ff, -1)], axis=1).reshape(E * 2 * ff, -1)
+    def load(xp=np):
+        g, u = gate.load(xp), up.load(xp)
+        return xp.concatenate([g.reshape(E, ff, -1), u.reshape(E, ff, -1)], axis=1).reshape(E * 2 * ff, -1)
 
     return TensorRef(name, gate.qtype, (E, 2 * ff, k), load)
 
@@ -131,8 +131,8 @@ def merge_rows(parts: list[TensorRef], name: str) -> TensorRef:
     """2-D tensors of one type and width stacked by rows (q, k and v: one product)."""
     rows = sum(p.shape[0] for p in parts)
 
-    def load():
-        return np.concatenate([p.load().reshape(p.shape[0], -1) for p in parts], axis=0)
+    def load(xp=np):
+        return xp.concatenate([p.load(xp).reshape(p.shape[0], -1) for p in parts], axis=0)
 
     return TensorRef(name, parts[0].qtype, (rows, parts[0].shape[1]), load)
 

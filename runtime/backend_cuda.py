@@ -162,10 +162,17 @@ class CudaBackend(CudaMoeOps, Backend):
         if ref.quantized:
             if embedding and f"get_rows_{ref.qtype}" not in ModelSpec.KERNELS:
                 raise ValueError(f"{ref.name}: embedding rows of {ref.qtype} cannot be read on the GPU yet")
-            return GpuWeight(ref.qtype, ref.shape, q=QuantTensor.from_blocks(ref.load(), ref.qtype, ref.shape))
+            return GpuWeight(ref.qtype, ref.shape, q=QuantTensor.from_blocks(ref.load(self.cp), ref.qtype, ref.shape))
         from .backend_numpy import _float_rows
         host = _float_rows(np.asarray(ref.load()).reshape(-1, ref.shape[-1]), ref.qtype).reshape(ref.shape)
         return GpuWeight(ref.qtype, ref.shape, f=self.cp.asarray(host))
+
+    def upload(self, refs, progress=None):
+        weights = super().upload(refs, progress)
+        # the device-side splits and merges (QuantTensor.from_blocks) leave their
+        # temporaries in CuPy's pool: give them back to the device, for the cache and others
+        self.cp.get_default_memory_pool().free_all_blocks()
+        return weights
 
     def stacked_qkv(self, L):
         """Quantized q, k, v of one type become one matrix: one product (at decode one launch

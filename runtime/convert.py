@@ -74,7 +74,7 @@ def converted(ref):
     """A TensorRef of a foreign type as the q8_0 TensorRef its load produces."""
     from .gguf_file import TensorRef
     k = ref.shape[-1]
-    return TensorRef(ref.name, TARGET, ref.shape, lambda: to_q8_0(ref.load(), ref.qtype, k))
+    return TensorRef(ref.name, TARGET, ref.shape, lambda xp=np: xp.asarray(to_q8_0(ref.load(), ref.qtype, k)))
 
 
 def note(f) -> str | None:

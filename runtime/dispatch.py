@@ -57,8 +57,11 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
     while x is being quantized. H100, one call, hot (BENCHMARKS.md), against what the shipped
     profile had chosen before the form existed: Qwen3 q4_0 gate n=4 12.2 -> 9.6 us, n=8 23.1
     -> 19.4; its down product n=8 42.5 -> 21.3; q8_0 n=8 37.6 -> 33.8. One token with
-    experts: the guessing form (guesses_ids)."""
-    return MmvqSpec.decode(qtype, ids=ids, guess=guesses_ids(n, ids))
+    experts: the guessing form (guesses_ids), but for K-quants: their raw 16-byte scales
+    overflow the 80 registers that form is bounded to (it spills); H100, the tuner's q4_K
+    Qwen3 entry (shipped profile), 5.84 us guessing against 4.45 without."""
+    guess = guesses_ids(n, ids) and quant_type(qtype).sub_blocks == 1
+    return MmvqSpec.decode(qtype, ids=ids, guess=guess)
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0,
@@ -79,14 +82,22 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     calls 10.17-10.28), q8_0 gpt-oss 25.54-25.56 -> 25.16-25.17, q4_0 gpt-oss 16.38-16.44 ->
     16.22-16.31. wait_first: x was quantized by an earlier kernel and the kernel just before
     wrote the ids (the model's expert gate/up after the router): the form that waits first,
-    which cannot guess, with the same rows and units."""
+    which cannot guess, with two rows of one unit for every type (measured faster than two
+    units in flight for q4_0 as well, below). K-quants
+    keep a super-block's raw 16 scale bytes a row and unit, which doubles q4_0's buffers
+    (118 registers: two waves), so they guess with two rows of one unit too. H100, one call,
+    cold, Qwen3 (BENCHMARKS.md): q4_K guessing 9.06 -> 6.19 us (q4_0's 6.34), wait-first
+    8.59 -> 7.27 (q4_0 7.91 -> 7.27); the model's tg128, same call: q4_K 566.7 -> 588.2 t/s,
+    q4_0 593.0 -> 602.4."""
     if n <= MMVQ_MAX_TOKENS:
         guess = guesses_ids(n, ids) and not wait_first
+        q = quant_type(qtype)
+        two_units_fit = q.qs_bytes == 16 and q.sub_blocks == 1 and 0 < k <= 2048
         rows, units = 1, 2
-        if quant_type(qtype).qs_bytes == 16 and 0 < k <= 2048:
-            rows = 2
-        elif ids and n == 1:     # the guessing form, or the wait-first one
+        if ids and n == 1 and (wait_first or not two_units_fit):
             rows, units = 2, 1
+        elif q.qs_bytes == 16 and 0 < k <= 2048:
+            rows = 2
         return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units,
                                wait_first=wait_first)
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,

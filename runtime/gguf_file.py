@@ -28,7 +28,9 @@ class GGUFError(ValueError):
 @dataclass
 class TensorRef:
     """One tensor of the file, not yet read: numpy-order shape, GGUF type name, and a
-    loader for its bytes (quantized: uint8 (rows, row_bytes); float: typed array)."""
+    loader for its bytes (quantized: uint8 (rows, row_bytes); float: typed array):
+    load() gives a host array, load(cupy) a device one (merges and the like then happen
+    on the device)."""
     name: str
     qtype: str
     shape: tuple[int, ...]
@@ -65,7 +67,7 @@ class GGUFFile:
         for t in self.reader.tensors:
             qtype = type_name(t.tensor_type)
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-            ref = TensorRef(t.name, qtype, shape, (lambda t=t: t.data))
+            ref = TensorRef(t.name, qtype, shape, (lambda xp=np, t=t: xp.asarray(t.data)))
             end = int(t.data_offset) + int(t.n_bytes)
             if end > size:
                 raise GGUFError(f"{self.path}: tensor {t.name!r} ends at byte {end} but the file has {size} "

@@ -1,6 +1,7 @@
 """The cuLaunchKernelEx path (PDL launches): the driver structs and argument packing, on
 the CPU. Their use on a GPU is tested in tests/gpu/test_fused.py."""
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
@@ -176,13 +177,13 @@ def test_guessed_expert_ids_are_read_from_l2_and_checked_after_the_wait():
 
 def test_one_unit_in_flight_only_for_the_one_token_expert_forms():
     """units=1: each lane requests one k-unit at a time (one buffer, the next unit after
-    the current one is computed), so that two rows of 32-byte blocks fit one wave. The
-    guessing form requests its first unit before the wait; the model's wait-first form
-    after it."""
+    the current one is computed), so that two rows of 32-byte blocks (or of q4_K's blocks
+    with their raw 16 scale bytes) fit one wave. The guessing form requests its first unit
+    before the wait; the model's wait-first form after it."""
     import dataclasses
     from moeforge.runtime import dispatch
-    for wait_first in (False, True):
-        spec = dispatch.default_fused("q8_0", 1, "silu", False, ids=True, k=2048, wait_first=wait_first)
+    for qtype, wait_first in itertools.product(("q8_0", "q4_K"), (False, True)):
+        spec = dispatch.default_fused(qtype, 1, "silu", False, ids=True, k=2048, wait_first=wait_first)
         assert (spec.rows, spec.units, spec.guess, spec.wait_first) == (2, 1, not wait_first, wait_first)
         assert spec.name.endswith("-wf-u1" if wait_first else "-g-u1")
         body = render(spec)
@@ -193,10 +194,16 @@ def test_one_unit_in_flight_only_for_the_one_token_expert_forms():
         assert max(first, wait) < body.index("if (u > 0) load_w(A, P, erow, r, lane + 32 * u);")
         assert body.count("griddepcontrol.wait") == 1
         assert "__launch_bounds__(NTHREADS, 6)" in render(spec)
-    # two units in flight wherever two rows of them fit, and past one token
+    # the wait-first form takes one unit for every type; two units in flight wherever two
+    # rows of them fit, and past one token
+    assert dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=2048, wait_first=True).units == 1
+    assert dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=2048).units == 2
     for wait_first in (False, True):
-        assert dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=2048, wait_first=wait_first).units == 2
         assert dispatch.default_fused("q8_0", 2, "silu", False, ids=True, k=2048, wait_first=wait_first).units == 2
+        assert dispatch.default_fused("q4_K", 2, "silu", False, ids=True, k=2048, wait_first=wait_first).rows == 2
+    # the plain one-token expert product guesses where its buffers fit the bound; q4_K's do not
+    assert dispatch.default_mmvq("q4_0", 1, ids=True).guess and dispatch.default_mmvq("q8_0", 1, ids=True).guess
+    assert not dispatch.default_mmvq("q4_K", 1, ids=True).guess
     for bad in (dict(units=3), dict(units=1, guess=False, wait_first=False)):
         with pytest.raises(ValueError, match="unit"):
             dataclasses.replace(spec, **bad).check()

@@ -63,13 +63,16 @@ def test_bench_without_gpu_is_a_clear_error(tiny, capsys):
 def test_bench_routes_gguf_to_the_model_bench(tiny, capsys, tmp_path):
     out = tmp_path / "b.json"
     assert main(["bench", tiny, "--backend", "numpy", "-p", "32", "-n", "4", "-r", "2", "--json", str(out)]) == 0
-    table = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    table = captured.out.splitlines()
+    assert "loaded in" in captured.err and tiny in captured.err
     assert table[0].split("|")[1:-1] == [c.ljust(len(c)) for c in table[0].split("|")[1:-1]]
     assert [c.strip() for c in table[0].split("|")[1:-1]] == ["model", "size", "params", "backend", "ngl",
                                                                "test", "t/s"]
     assert "qwen3moe ?B Q4_0" in table[2] and "pp32" in table[2] and "tg4" in table[3]
     data = json.loads(out.read_text())
     assert [r["test"] for r in data["tests"]] == ["pp32", "tg4"] and data["tests"][0]["t_s_mean"] > 0
+    assert data["load_s"] > 0
 
 
 def test_bench_at_depth(tiny, capsys, tmp_path):
