@@ -122,3 +122,14 @@ def attention64(q, kc, vc, pos, hp):
             p = np.exp(s - s.max())
             out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ vc[:L, kvh * hd:(kvh + 1) * hd]
     return out
+
+
+def q6_k_blocks(rng, n):
+    """n random q6_K blocks with finite scales d (random bytes make some f16 inf or nan),
+    then four from the quantizer, the first all zeros (d = 0: q8_0's zero-scale branch)."""
+    from moeforge.runtime.quantize import quantize_q6_k
+    raw = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
+    raw[:, 208:210] = (rng.standard_normal(n) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, 2)
+    x = (rng.standard_normal((4, 256)) * 0.05).astype(np.float32)
+    x[0] = 0.0
+    return np.concatenate([raw, quantize_q6_k(x)])

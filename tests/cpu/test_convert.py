@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
+from conftest import q6_k_blocks
 from moeforge.runtime import convert
 from moeforge.runtime.quantize import quantize_q6_k
 
@@ -54,6 +55,21 @@ def test_conversion_moves_a_weight_by_half_a_q8_0_step_at_most(rng, name, monkey
     # the chunked, threaded path writes the same bytes as one chunk
     monkeypatch.setattr(convert, "CHUNK_WEIGHTS", 3 * k)
     np.testing.assert_array_equal(convert.to_q8_0(raw, name, k, threads=3), out)
+
+
+def test_array_op_converters_are_ggufs_bit_for_bit(rng):
+    """The q6_K dequantizer and q8_0 quantizer written for numpy or CuPy (the device-side
+    conversion) give gguf's own bits on the host; tests/gpu/test_upload.py checks the device
+    gives the host's."""
+    from gguf import quants
+    raw = q6_k_blocks(rng, 300)
+    w = convert.dequantize_q6_k(raw)
+    want = quants.Q6_K.dequantize_blocks(raw)
+    assert w.dtype == np.float32 and np.array_equal(w.view(np.uint32), want.view(np.uint32))
+    w = w.reshape(-1, 32)
+    assert (w.reshape(-1, 256)[-4] == 0).all()           # the quantizer's zero block
+    np.testing.assert_array_equal(convert.quantize_q8_0(w), quants.Q8_0.quantize_blocks(w))
+    assert set(convert.DEVICE_DEQUANTIZE) <= set(convert.FOREIGN)
 
 
 @pytest.mark.parametrize("name", convert.FOREIGN)

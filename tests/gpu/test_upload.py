@@ -1,7 +1,7 @@
-"""Weights reach the device as GGUF bytes and are split (and merged) there: the result is
-bit for bit the host's split (runtime.tensor.split_blocks on numpy), padding included, for
-every quant type, and a model's merged gate/up and stacked q/k/v equal the host's merges
-(pytest -m gpu)."""
+"""Weights reach the device as GGUF bytes and are split (and merged, and converted) there:
+the result is bit for bit the host's split (runtime.tensor.split_blocks on numpy), padding
+included, for every quant type; a model's merged gate/up and stacked q/k/v equal the host's
+merges; q6_K converts to the host's q8_0 bytes (pytest -m gpu)."""
 import numpy as np
 import pytest
 
@@ -60,3 +60,29 @@ def test_model_merges_on_the_device_equal_the_host(tmp_path, qtype):
         qkv = merge_rows([L.wq, L.wk, L.wv], "qkv")
         for r in (L.gate_up, qkv):
             assert np.array_equal(r.load(cp).get(), r.load())
+
+
+def test_q6_k_converts_on_the_device_to_the_hosts_bytes(rng, monkeypatch):
+    import cupy as cp
+    from moeforge.runtime import convert
+    from conftest import q6_k_blocks
+    raw = q6_k_blocks(rng, 4 * 3 - 4).reshape(4, -1)                # 4 rows of 3 super-blocks
+    want = convert.to_q8_0(raw, "q6_K", 768)
+    monkeypatch.setattr(convert, "DEVICE_CHUNK_BLOCKS", 5)           # several chunks, a short last one
+    got = convert.to_q8_0_device(cp.asarray(raw), "q6_K", 768)
+    assert isinstance(got, cp.ndarray) and np.array_equal(got.get(), want)
+
+
+def test_q4_k_m_model_converts_on_the_device(tmp_path):
+    import cupy as cp
+    from moeforge.runtime.arch_qwen3moe import open_model
+    from moeforge.runtime.gguf_file import GGUFFile
+    from moeforge.synth import preset, write_qwen3moe
+    path = str(tmp_path / "m.gguf")
+    write_qwen3moe(path, preset("tiny-k"), "q4_K_M", seed=7)
+    f = GGUFFile(path)
+    refs = open_model(f)
+    names = [n for n, t in f.tensors.items() if t.qtype == "q6_K"]
+    assert names and refs.output.qtype == "q8_0"
+    for r in (refs.output, refs.layers[1].wv, refs.layers[1].down):
+        assert np.array_equal(r.load(cp).get(), r.load())
