@@ -98,7 +98,7 @@ def _choices(mode: str, qtype: str, shape, n: int):
             out.append(dispatch.Choice("per_expert", MmqSpec(qtype, x=64, y=64, warps=4, stages=3,
                                                              ids=False, stream_k=False)))
         elif p == "mmf_id" and qtype in MmfSpec.QTYPES:
-            out.append(dispatch.Choice("mmf_id", dispatch.mmf_rule_spec(qtype, n, True, None, dispatch._device_sm_count())))
+            out.append(dispatch.Choice("mmf_id", dispatch.mmf_rule_spec(qtype, n, True, None, dispatch.device_sm_count())))
         elif p not in dispatch.PATHS or p == "mmf":
             raise ValueError(f"unknown expert-product path {p!r}; choose from mmvq, mmq_id, per_expert, mmf_id")
     return out

@@ -44,6 +44,8 @@ def _fused_specs(qtype, n, act, bias, sweep: bool, k: int):
     # a block per (token, slot) pair: with 128 experts a few tokens rarely share one
     out += [MmvqSpec(qtype, tokens=1, warps=4, rows=r, act=act, bias=bias, per_pair=True) for r in (1, 2, 4)]
     out += [MmvqSpec.decode(qtype, rows=r, act=act, bias=bias) for r in (1, 2, 4)]
+    if n == 1:   # the guessing form, both unit counts (dispatch.default_fused picks one)
+        out += [MmvqSpec.decode(qtype, rows=2, act=act, bias=bias, guess=True, units=u) for u in (1, 2)]
     seen, uniq = set(), []
     for s in out:
         if s not in seen:

@@ -3,9 +3,9 @@
 Real files mix types: llama.cpp's Q4_K_M gives the output head, and attn_v and ffn_down in
 half the layers, q6_K; its Q4_0 keeps a q6_K head. Such a file is not refused:
 each tensor of a type gguf can dequantize is dequantized with gguf's reference dequantizer
-and requantized to q8_0 with gguf's reference quantizer (ggml's quantize_row_q8_0): q6_K (the
-type of common files) on the device when the GPU loads it, with the same bits (array
-operations below), the rest on the host, in chunks of blocks spread over threads (numpy lets
+and requantized to q8_0 with gguf's reference quantizer (ggml's quantize_row_q8_0): the
+K-quants of llama.cpp's mixes (q6_K, q5_K, q3_K, q2_K) on the device when the GPU loads
+them, with the same bits (array_blocks), the rest on the host, in chunks of blocks spread over threads (numpy lets
 go of the GIL in its loops). q8_0 is the
 most precise format the kernels take: a weight moves by at most half a q8_0 step (a block's
 largest magnitude / 254), about a quarter of q6_K's own step, and costs 8.5 bits against
@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..codegen.quant import QUANT_TYPES
+from . import array_blocks
 
 TARGET = "q8_0"
 # ggml names of the types converted (those gguf's dequantizer knows and the kernels do not)
@@ -72,40 +73,9 @@ def to_q8_0(raw: np.ndarray, qtype: str, k: int, threads: int | None = None) -> 
     return out.reshape(-1, QUANT_TYPES[TARGET].row_bytes(k))
 
 
-# -- on the device: the types of common files, in array operations ----------------------------
-# gguf's block functions call numpy by name, so they run on the host only. These write the
-# same float32 operations in the same order with the array module as a parameter: numpy gives
-# gguf's bits (tests/cpu/test_convert.py), CuPy the same bits on the device, one launch an
-# operation, so nothing is contracted into an FMA (tests/gpu/test_upload.py).
-
-def dequantize_q6_k(blocks, xp=np):
-    """q6_K blocks (n, 210) uint8 -> float32 (n, 256): gguf's Q6_K.dequantize_blocks."""
-    n = blocks.shape[0]
-    ql, qh, scales, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:210]
-    d = xp.ascontiguousarray(d).view(xp.float16).astype(xp.float32)
-    d = (d * xp.ascontiguousarray(scales).view(xp.int8).astype(xp.float32)).reshape(n, 16, 1)
-    ql = ql.reshape(n, -1, 1, 64)
-    ql = xp.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(n, -1, 32)
-    qh = qh.reshape(n, -1, 1, 32)
-    qh = xp.concatenate([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], axis=2).reshape(n, -1, 32)
-    q = (ql | (qh << 4)).astype(xp.int8) - xp.int8(32)
-    return (d * q.reshape(n, 16, -1).astype(xp.float32)).reshape(n, 256)
-
-
-def quantize_q8_0(w, xp=np):
-    """float32 (n, 32) -> q8_0 blocks (n, 34) uint8: gguf's Q8_0.quantize_blocks (ggml's
-    reference rounding, halves away from zero)."""
-    d = xp.abs(w).max(axis=1, keepdims=True) / xp.float32(127)
-    safe = xp.where(d == 0, xp.float32(1), d)
-    inv = xp.where(d == 0, xp.float32(0), xp.float32(1) / safe)
-    x = w * inv
-    a = xp.abs(x)
-    fl = xp.floor(a)
-    q = xp.sign(x) * (fl + xp.floor(xp.float32(2) * (a - fl)))
-    return xp.concatenate([d.astype(xp.float16).view(xp.uint8), q.astype(xp.int8).view(xp.uint8)], axis=1)
-
-
-DEVICE_DEQUANTIZE = {"q6_K": (dequantize_q6_k, 256, 210)}
+# the types converted on the device when the GPU loads them (array_blocks: gguf's bits there)
+DEVICE_DEQUANTIZE = {"q2_K": array_blocks.dequantize_q2_k, "q3_K": array_blocks.dequantize_q3_k,
+                     "q5_K": array_blocks.dequantize_q5_k, "q6_K": array_blocks.dequantize_q6_k}
 DEVICE_CHUNK_BLOCKS = 1 << 16    # 16M weights: ~64 MB of float32 and a few times that in temporaries
 
 
@@ -113,13 +83,14 @@ def to_q8_0_device(raw, qtype: str, k: int):
     """to_q8_0 on a CuPy array of a type in DEVICE_DEQUANTIZE: the same bytes, made on the
     device (the host only reads the file)."""
     import cupy as cp
-    dequantize, values, nbytes = DEVICE_DEQUANTIZE[qtype]
+    dequantize = DEVICE_DEQUANTIZE[qtype]
+    values, nbytes = block_size(qtype)
     blocks = cp.ascontiguousarray(raw).reshape(-1, nbytes)
     out = cp.empty((blocks.shape[0] * values // 32, QUANT_TYPES[TARGET].block_bytes), dtype=cp.uint8)
     per = values // 32
     for lo in range(0, blocks.shape[0], DEVICE_CHUNK_BLOCKS):
         w = dequantize(blocks[lo:lo + DEVICE_CHUNK_BLOCKS], cp).reshape(-1, 32)
-        out[lo * per:lo * per + w.shape[0]] = quantize_q8_0(w, cp)
+        out[lo * per:lo * per + w.shape[0]] = array_blocks.quantize_q8_0(w, cp)
     return out.reshape(-1, QUANT_TYPES[TARGET].row_bytes(k))
 
 

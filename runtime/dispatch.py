@@ -139,7 +139,7 @@ def _device_cc_major() -> int | None:
     return int(device_info(cp.cuda.Device().id)["cc"].split(".")[0])
 
 
-def _device_sm_count() -> int:
+def device_sm_count() -> int:
     """The current device's; without a GPU an H100's (where the rule's tiles were measured),
     so that the tuner's seeds can be listed on a CPU."""
     from .device import device_info, has_gpu
@@ -186,7 +186,7 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
         return None
     if _device_cc_major() not in MMF_CC_MAJOR:
         return None
-    return Choice("mmf_id" if ids else "mmf", mmf_rule_spec(qtype, n, ids, m, _device_sm_count()), "rule")
+    return Choice("mmf_id" if ids else "mmf", mmf_rule_spec(qtype, n, ids, m, device_sm_count()), "rule")
 
 
 def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int) -> MmfSpec:

@@ -124,12 +124,17 @@ def attention64(q, kc, vc, pos, hp):
     return out
 
 
-def q6_k_blocks(rng, n):
-    """n random q6_K blocks with finite scales d (random bytes make some f16 inf or nan),
-    then four from the quantizer, the first all zeros (d = 0: q8_0's zero-scale branch)."""
-    from moeforge.runtime.quantize import quantize_q6_k
-    raw = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
-    raw[:, 208:210] = (rng.standard_normal(n) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, 2)
-    x = (rng.standard_normal((4, 256)) * 0.05).astype(np.float32)
-    x[0] = 0.0
-    return np.concatenate([raw, quantize_q6_k(x)])
+# where a K-quant block keeps its f16 scales (d, and dmin where it has one)
+K_F16_AT = {"q2_K": (80, 82), "q3_K": (108,), "q5_K": (0, 2), "q6_K": (208,)}
+
+
+def kquant_blocks(rng, name, n):
+    """n random blocks of a K-quant with finite f16 scales (random bytes make some of them
+    inf or nan), then four all-zero blocks (d = 0: q8_0's zero-scale branch)."""
+    from moeforge.runtime.convert import block_size
+    nbytes = block_size(name)[1]
+    raw = rng.integers(0, 256, size=(n + 4, nbytes), dtype=np.uint8)
+    for at in K_F16_AT[name]:
+        raw[:, at:at + 2] = (rng.standard_normal(n + 4) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw[n:] = 0
+    return raw

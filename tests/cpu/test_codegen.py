@@ -142,6 +142,7 @@ def test_fused_sweep_holds_the_default_and_each_decode_form_once():
     assert specs[0] == dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=2048)
     assert len(specs) == len(set(specs))
     assert {s.rows for s in specs if s.prequant} == {1, 2, 4}
+    assert {s.units for s in specs if s.guess} == {1, 2}
     eight = _fused_specs("q4_0", 8, "silu", False, sweep=True, k=2048)
     assert any(s.per_pair and s.prequant for s in eight) and any(s.tokens == 8 for s in eight)
     assert _fused_specs("q8_0", 2, "gelu", True, sweep=False, k=2880) == [

@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import q6_k_blocks
+from conftest import kquant_blocks
 from moeforge.runtime import convert
 from moeforge.runtime.quantize import quantize_q6_k
 
@@ -57,19 +57,23 @@ def test_conversion_moves_a_weight_by_half_a_q8_0_step_at_most(rng, name, monkey
     np.testing.assert_array_equal(convert.to_q8_0(raw, name, k, threads=3), out)
 
 
-def test_array_op_converters_are_ggufs_bit_for_bit(rng):
-    """The q6_K dequantizer and q8_0 quantizer written for numpy or CuPy (the device-side
-    conversion) give gguf's own bits on the host; tests/gpu/test_upload.py checks the device
-    gives the host's."""
+@pytest.mark.parametrize("name", sorted(convert.DEVICE_DEQUANTIZE))
+def test_array_op_converters_are_ggufs_bit_for_bit(rng, name):
+    """The K-quant dequantizers and the q8_0 quantizer written for numpy or CuPy (the
+    device-side conversion, runtime/array_blocks.py) give gguf's own bits on the host;
+    tests/gpu/test_upload.py checks the device gives the host's."""
+    import gguf
     from gguf import quants
-    raw = q6_k_blocks(rng, 300)
-    w = convert.dequantize_q6_k(raw)
-    want = quants.Q6_K.dequantize_blocks(raw)
-    assert w.dtype == np.float32 and np.array_equal(w.view(np.uint32), want.view(np.uint32))
+    from moeforge.runtime import array_blocks
+    raw = kquant_blocks(rng, name, 300)
+    w = convert.DEVICE_DEQUANTIZE[name](raw)
+    want = getattr(quants, name.upper()).dequantize_blocks(raw)
+    assert w.dtype == np.float32 and w.shape == (304, 256)
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
+    assert (w[-4:] == 0).all() and np.abs(w[:-4]).max() > 0
     w = w.reshape(-1, 32)
-    assert (w.reshape(-1, 256)[-4] == 0).all()           # the quantizer's zero block
-    np.testing.assert_array_equal(convert.quantize_q8_0(w), quants.Q8_0.quantize_blocks(w))
-    assert set(convert.DEVICE_DEQUANTIZE) <= set(convert.FOREIGN)
+    np.testing.assert_array_equal(array_blocks.quantize_q8_0(w), quants.Q8_0.quantize_blocks(w))
+    assert name in convert.FOREIGN and convert.block_size(name) == gguf.GGML_QUANT_SIZES[convert.ggml_type(name)]
 
 
 @pytest.mark.parametrize("name", convert.FOREIGN)

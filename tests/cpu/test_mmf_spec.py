@@ -68,7 +68,7 @@ def test_f16_emulation_is_closer_to_float64_than_q8_1(rng, qtype):
 def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     from moeforge.runtime import dispatch
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
-    monkeypatch.setattr(dispatch, "_device_sm_count", lambda: 132)
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 132)
     monkeypatch.delenv("MOEFORGE_MMF", raising=False)
     dense = dispatch.choose_mul_mat("q4_0", 5120, 2048, 512)
     assert dense.path == "mmf" and dense.source == "rule" and not dense.spec.ids and dense.spec.x == 128
@@ -76,7 +76,7 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     assert dispatch.choose_mul_mat("q4_0", 2048, 4096, 512).spec.splits == 4     # 64 tiles
     assert dispatch.choose_mul_mat("q4_0", 4096, 2048, 512).spec.splits == 2     # 128
     assert dispatch.choose_mul_mat("q8_0", 2048, 4096, 2048).spec.splits == 1    # 256
-    monkeypatch.setattr(dispatch, "_device_sm_count", lambda: 64)
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 64)
     assert dispatch.choose_mul_mat("q4_0", 2048, 4096, 512).spec.splits == 2     # a smaller card
     assert dispatch.choose_mul_mat("q8_0", 2048, 4096, 2048).spec.x == 128
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 511).path != "mmf"
@@ -101,7 +101,7 @@ def test_the_rules_tiles_are_generated(monkeypatch):
     built = set(all_specs(parse_types("all")))
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
     for sms in (132, 114, 78, 46):      # H100 SXM, H100 PCIe, an L40S-sized and a small card
-        monkeypatch.setattr(dispatch, "_device_sm_count", lambda: sms)
+        monkeypatch.setattr(dispatch, "device_sm_count", lambda: sms)
         for qtype in MmfSpec.QTYPES:
             for n, tpe, m in ((512, None, 2048), (512, None, 512), (512, None, 5120), (4096, None, 2048),
                               (4096, 256.0, None), (8192, 1024.0, None)):

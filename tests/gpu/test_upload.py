@@ -1,7 +1,7 @@
 """Weights reach the device as GGUF bytes and are split (and merged, and converted) there:
 the result is bit for bit the host's split (runtime.tensor.split_blocks on numpy), padding
 included, for every quant type; a model's merged gate/up and stacked q/k/v equal the host's
-merges; q6_K converts to the host's q8_0 bytes (pytest -m gpu)."""
+merges; the K-quants of llama.cpp's mixes convert to the host's q8_0 bytes (pytest -m gpu)."""
 import numpy as np
 import pytest
 
@@ -62,14 +62,16 @@ def test_model_merges_on_the_device_equal_the_host(tmp_path, qtype):
             assert np.array_equal(r.load(cp).get(), r.load())
 
 
-def test_q6_k_converts_on_the_device_to_the_hosts_bytes(rng, monkeypatch):
+@pytest.mark.parametrize("name", ["q2_K", "q3_K", "q5_K", "q6_K"])
+def test_k_quants_convert_on_the_device_to_the_hosts_bytes(rng, monkeypatch, name):
     import cupy as cp
+    from conftest import kquant_blocks
     from moeforge.runtime import convert
-    from conftest import q6_k_blocks
-    raw = q6_k_blocks(rng, 4 * 3 - 4).reshape(4, -1)                # 4 rows of 3 super-blocks
-    want = convert.to_q8_0(raw, "q6_K", 768)
+    assert name in convert.DEVICE_DEQUANTIZE
+    raw = kquant_blocks(rng, name, 4 * 3 - 4).reshape(4, -1)         # 4 rows of 3 super-blocks
+    want = convert.to_q8_0(raw, name, 768)
     monkeypatch.setattr(convert, "DEVICE_CHUNK_BLOCKS", 5)           # several chunks, a short last one
-    got = convert.to_q8_0_device(cp.asarray(raw), "q6_K", 768)
+    got = convert.to_q8_0_device(cp.asarray(raw), name, 768)
     assert isinstance(got, cp.ndarray) and np.array_equal(got.get(), want)
 
 

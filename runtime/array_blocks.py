@@ -1,0 +1,92 @@
+"""GGUF block formats in array operations, for numpy or CuPy: the K-quant dequantizers of
+llama.cpp's mixed files and the q8_0 quantizer, so that runtime/convert.py can requantize
+on the device what the kernels cannot run.
+
+gguf's block functions call numpy by name, so they run on the host only. These are the same
+float32 operations in the same order with the array module as a parameter: with numpy they
+give gguf's bits (tests/cpu/test_convert.py); CuPy runs one launch an operation, so nothing
+is contracted into an FMA, and gives the host's bits (tests/gpu/test_upload.py). Blocks are
+uint8 (n, block_bytes); the dequantizers return float32 (n, 256).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f16(b, xp):
+    return xp.ascontiguousarray(b).view(xp.float16).astype(xp.float32)
+
+
+def _bits(b, n: int, group: int, width: int, xp):
+    """(n, bytes) -> (n, bytes // group, 8 // width, group): each group of bytes read
+    `width` bits at a time, lowest bits first (gguf's reshape-and-shift)."""
+    b = b.reshape(n, -1, 1, group)
+    mask = (1 << width) - 1
+    return xp.concatenate([(b >> s) & mask for s in range(0, 8, width)], axis=2)
+
+
+def _scale_min_k4(scales, n: int, xp):
+    """The eight 6-bit (scale, min) pairs of q4_K/q5_K's 12 bytes (gguf's get_scale_min)."""
+    s = scales.reshape(n, 3, 4)
+    d, m, m_d = s[:, 0:1], s[:, 1:2], s[:, 2:3]
+    sc = xp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = xp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.reshape(n, 8), mn.reshape(n, 8)
+
+
+def dequantize_q2_k(blocks, xp=np):
+    n = blocks.shape[0]
+    scales, qs, d, dmin = blocks[:, :16], blocks[:, 16:80], _f16(blocks[:, 80:82], xp), _f16(blocks[:, 82:84], xp)
+    dl = (d * (scales & 0xF).astype(xp.float32)).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).astype(xp.float32)).reshape(n, 16, 1)
+    q = _bits(qs, n, 32, 2, xp).reshape(n, 16, 16).astype(xp.float32)
+    return (dl * q - ml).reshape(n, 256)
+
+
+def dequantize_q3_k(blocks, xp=np):
+    n = blocks.shape[0]
+    hmask, qs, scales, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _f16(blocks[:, 108:110], xp)
+    lo = _bits(scales[:, :8], n, 8, 4, xp).reshape(n, 16)
+    hi = _bits(scales[:, 8:], n, 4, 2, xp).reshape(n, 16)
+    sc = ((lo | (hi << 4)).astype(xp.int8) - xp.int8(32)).astype(xp.float32)
+    dl = (d * sc).reshape(n, 16, 1)
+    ql = _bits(qs, n, 32, 2, xp).reshape(n, 16, 16)
+    qh = _bits(hmask, n, 32, 1, xp).reshape(n, 16, 16) ^ 1   # the offset is 4 where the bit is 0
+    q = (ql.astype(xp.int8) - (qh << 2).astype(xp.int8)).astype(xp.float32)
+    return (dl * q).reshape(n, 256)
+
+
+def dequantize_q5_k(blocks, xp=np):
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2], xp), _f16(blocks[:, 2:4], xp)
+    sc, mn = _scale_min_k4(blocks[:, 4:16], n, xp)
+    qh, qs = blocks[:, 16:48], blocks[:, 48:176]
+    dl = (d * sc.astype(xp.float32)).reshape(n, -1, 1)
+    ml = (dmin * mn.astype(xp.float32)).reshape(n, -1, 1)
+    ql = _bits(qs, n, 32, 4, xp).reshape(n, -1, 32)
+    qh = _bits(qh, n, 32, 1, xp).reshape(n, -1, 32)
+    q = (ql | (qh << 4)).astype(xp.float32)
+    return (dl * q - ml).reshape(n, 256)
+
+
+def dequantize_q6_k(blocks, xp=np):
+    n = blocks.shape[0]
+    ql, qh, scales, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], _f16(blocks[:, 208:210], xp)
+    d = (d * xp.ascontiguousarray(scales).view(xp.int8).astype(xp.float32)).reshape(n, 16, 1)
+    ql = _bits(ql, n, 64, 4, xp).reshape(n, -1, 32)
+    qh = _bits(qh, n, 32, 2, xp).reshape(n, -1, 32)
+    q = (ql | (qh << 4)).astype(xp.int8) - xp.int8(32)
+    return (d * q.reshape(n, 16, -1).astype(xp.float32)).reshape(n, 256)
+
+
+def quantize_q8_0(w, xp=np):
+    """float32 (n, 32) -> q8_0 blocks (n, 34) uint8: gguf's Q8_0.quantize_blocks (ggml's
+    reference rounding, halves away from zero)."""
+    d = xp.abs(w).max(axis=1, keepdims=True) / xp.float32(127)
+    safe = xp.where(d == 0, xp.float32(1), d)
+    inv = xp.where(d == 0, xp.float32(0), xp.float32(1) / safe)
+    x = w * inv
+    a = xp.abs(x)
+    fl = xp.floor(a)
+    q = xp.sign(x) * (fl + xp.floor(xp.float32(2) * (a - fl)))
+    return xp.concatenate([d.astype(xp.float16).view(xp.uint8), q.astype(xp.int8).view(xp.uint8)], axis=1)
