@@ -74,13 +74,10 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
 
 
 def q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A q4_K super-block's 12 scale bytes (.., 12) -> (scales, mins) (.., 8) as float32:
-    sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7; 4-7 in the nibbles of bytes 8-11
-    with their top two bits in the high bits of bytes 0-3 and 4-7."""
-    p = packed.astype(np.int32)
-    lo, mid, hi = p[..., 0:4], p[..., 4:8], p[..., 8:12]
-    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
-    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    """A q4_K super-block's 12 scale bytes (.., 12) -> (scales, mins) (.., 8) as float32
+    (runtime.array_blocks.scale_min_k4, the device-side converter's unpacking)."""
+    from .runtime.array_blocks import scale_min_k4
+    sc, mn = scale_min_k4(np.asarray(packed, dtype=np.uint8))
     return sc.astype(np.float32), mn.astype(np.float32)
 
 

@@ -25,13 +25,15 @@ def _bits(b, n: int, group: int, width: int, xp):
     return xp.concatenate([(b >> s) & mask for s in range(0, 8, width)], axis=2)
 
 
-def _scale_min_k4(scales, n: int, xp):
-    """The eight 6-bit (scale, min) pairs of q4_K/q5_K's 12 bytes (gguf's get_scale_min)."""
-    s = scales.reshape(n, 3, 4)
-    d, m, m_d = s[:, 0:1], s[:, 1:2], s[:, 2:3]
-    sc = xp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = xp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.reshape(n, 8), mn.reshape(n, 8)
+def scale_min_k4(packed, xp=np):
+    """A q4_K/q5_K super-block's 12 scale bytes (.., 12) uint8 -> (scales, mins) (.., 8)
+    uint8: sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7; 4-7 in the nibbles of
+    bytes 8-11 with their top two bits in the high bits of bytes 0-3 and 4-7 (ggml's
+    get_scale_min_k4; the reference's emulation reads them here too)."""
+    lo, mid, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = xp.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = xp.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+    return sc, mn
 
 
 def dequantize_q2_k(blocks, xp=np):
@@ -59,7 +61,7 @@ def dequantize_q3_k(blocks, xp=np):
 def dequantize_q5_k(blocks, xp=np):
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, 0:2], xp), _f16(blocks[:, 2:4], xp)
-    sc, mn = _scale_min_k4(blocks[:, 4:16], n, xp)
+    sc, mn = scale_min_k4(blocks[:, 4:16], xp)
     qh, qs = blocks[:, 16:48], blocks[:, 48:176]
     dl = (d * sc.astype(xp.float32)).reshape(n, -1, 1)
     ml = (dmin * mn.astype(xp.float32)).reshape(n, -1, 1)

@@ -5,11 +5,10 @@ half the layers, q6_K; its Q4_0 keeps a q6_K head. Such a file is not refused:
 each tensor of a type gguf can dequantize is dequantized with gguf's reference dequantizer
 and requantized to q8_0 with gguf's reference quantizer (ggml's quantize_row_q8_0): the
 K-quants of llama.cpp's mixes (q6_K, q5_K, q3_K, q2_K) on the device when the GPU loads
-them, with the same bits (array_blocks), the rest on the host, in chunks of blocks spread over threads (numpy lets
-go of the GIL in its loops). q8_0 is the
-most precise format the kernels take: a weight moves by at most half a q8_0 step (a block's
-largest magnitude / 254), about a quarter of q6_K's own step, and costs 8.5 bits against
-q6_K's 6.56. Both backends load the same converted bytes, so the numpy backend stays the
+them, with the same bits (array_blocks), the rest on the host, in chunks of blocks spread
+over threads (numpy lets go of the GIL in its loops). q8_0 is the most precise format the
+kernels take: a weight moves by at most half a q8_0 step (a block's largest magnitude /
+254), about a quarter of q6_K's own step, and costs 8.5 bits against q6_K's 6.56. Both backends load the same converted bytes, so the numpy backend stays the
 reference of the GPU's results; llama.cpp, which runs q6_K itself, differs by the requantization
 (the q4_K_M parity fixture measures it).
 """

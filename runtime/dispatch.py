@@ -92,11 +92,11 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     if n <= MMVQ_MAX_TOKENS:
         guess = guesses_ids(n, ids) and not wait_first
         q = quant_type(qtype)
-        two_units_fit = q.qs_bytes == 16 and q.sub_blocks == 1 and 0 < k <= 2048
+        short_4bit = q.qs_bytes == 16 and 0 < k <= 2048     # two units of two rows: 80 registers
         rows, units = 1, 2
-        if ids and n == 1 and (wait_first or not two_units_fit):
+        if ids and n == 1 and (wait_first or not short_4bit or q.sub_blocks > 1):
             rows, units = 2, 1
-        elif q.qs_bytes == 16 and 0 < k <= 2048:
+        elif short_4bit:
             rows = 2
         return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units,
                                wait_first=wait_first)
