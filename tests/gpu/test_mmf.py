@@ -31,8 +31,9 @@ def _spec(qtype, ids, x, y, warps, kblocks, stages, wn=1, splits=1):
 
 
 def _k(qtype, k):
-    """k for qtype: q4_K rows hold whole super-blocks (256), so k is rounded up to them."""
-    return k if qtype != "q4_K" else -(-k // 256) * 256
+    """k rounded up to whole blocks of qtype (q4_K's rows hold whole 256-weight super-blocks)."""
+    values = ref.quant_type(qtype).block_values
+    return -(-k // values) * values
 
 
 def _ids(rng, n, E, top_k, skew):
