@@ -289,9 +289,9 @@ def test_one_token_default_on_long_rows(rng, qtype, k):
 def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng, qtype, k):
     """The model's norms write x's q8_1 themselves (x_q8); the one-token product that reads
     it (experts: waiting first, since the router wrote the ids just before) must compute
-    exactly what it computes after its own quantizing launch, and so must the wait-first
-    form of one row a warp and two k-units in flight, which it replaced where two rows of
-    two units do not fit (one k-unit in flight there)."""
+    exactly what it computes after its own quantizing launch (the wait-first default: two
+    rows of one k-unit for every type), and so must the wait-first form of one row a warp
+    and two k-units in flight."""
     import cupy as cp
     from moeforge.codegen.spec import MmvqSpec
     from moeforge.runtime import dispatch, ops
@@ -304,7 +304,7 @@ def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng, qtype, k):
     x_q8 = (xq.copy(), xds.copy(), nbp)
     o = Operands(x, w["gate_up"], None, None, None, None, experts=True)
     wait_first = dispatch.default_fused(qtype, 1, "silu", False, ids=True, k=k, wait_first=True)
-    assert wait_first.units == (2 if (qtype, k) == ("q4_0", 2048) else 1)
+    assert (wait_first.rows, wait_first.units) == (2, 1)
     one_row = MmvqSpec.decode(qtype, rows=1, act="silu", wait_first=True)
     outs = [cp.full((1, top_k, n_ff), cp.nan, dtype=cp.float32) for _ in range(3)]
     run_moe_gate_up(o, ids, outs[0], "silu")
