@@ -37,6 +37,12 @@ class QuantType:
     paired_nibbles: bool = False
     # The activation quantization the kernels pair with this format; only q8_1 so far.
     act_type: str = "q8_1"
+    # Bits of each weight above the four in qs, kept in the meta region (q6_K: 2).
+    high_bits: int = 0
+    # Meta bytes per kernel block where the split gives each kernel block meta of its own
+    # (q6_K: its high bits, two scales and a copy of d); 0: the GGUF block's bytes outside
+    # qs, shared by its kernel blocks (a super-block's, `super_meta`).
+    own_meta_bytes: int = 0
 
     @property
     def sub_blocks(self) -> int:
@@ -46,7 +52,15 @@ class QuantType:
     @property
     def meta_bytes(self) -> int:
         """Scale bytes per kernel block (a K-quant super-block's are shared by its eight)."""
+        if self.own_meta_bytes:
+            return self.own_meta_bytes
         return (self.block_bytes - self.qs_bytes * self.sub_blocks) // self.sub_blocks
+
+    @property
+    def super_meta(self) -> bool:
+        """A kernel block's scales are found in its super-block's shared bytes (q4_K), so
+        that stages hold whole super-blocks; otherwise each block's meta is its own."""
+        return self.sub_blocks > 1 and not self.own_meta_bytes
 
     @property
     def template(self) -> str:
@@ -62,7 +76,8 @@ class QuantType:
     def whole_kblocks(self, kblocks: int) -> int:
         """kblocks raised to whole super-blocks: the stage depth of a tile that asked for
         kblocks (a stage's scales are whole super-blocks, quant_q4_K.cuh.j2)."""
-        return -(-kblocks // self.sub_blocks) * self.sub_blocks
+        step = self.sub_blocks if self.super_meta else 1
+        return -(-kblocks // step) * step
 
     def blocks_per_row(self, k: int) -> int:
         """Kernel blocks (32 weights) per row of k weights."""
@@ -91,6 +106,11 @@ QUANT_TYPES: dict[str, QuantType] = {
         # super-block of 256: d, dmin (f16), 12 bytes of eight 6-bit (scale, min) pairs,
         # 128 bytes of nibbles; sub-block i: w = d * sc_i * q - dmin * m_i
         QuantType("q4_K", gguf.GGMLQuantizationType.Q4_K, 256, 144, 16, 16, paired_nibbles=True),
+        # super-block of 256: 128 bytes of low nibbles (ql), 64 of 2-bit high parts (qh),
+        # sixteen int8 scales (one a 16 weights), d (f16); w = d * sc * (q - 32). The split
+        # gives each kernel block 12 meta bytes: its high bits, its two scales, d
+        # (quant_q6_K.cuh.j2): 7 bits a weight on the GPU, the file's 6.5625.
+        QuantType("q6_K", gguf.GGMLQuantizationType.Q6_K, 256, 210, 0, 16, high_bits=2, own_meta_bytes=12),
     )
 }
 _BY_LOWER = {name.lower(): q for name, q in QUANT_TYPES.items()}

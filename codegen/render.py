@@ -28,7 +28,7 @@ def render(spec: KernelSpec) -> str:
     if hasattr(spec, "quant"):
         # K-quant scales are found from the super-block and the block's index in it
         # (quant_q4_K.cuh.j2, qt_wscale_at); a 32-weight block's from its own address
-        extra["super_blocks"] = spec.quant.sub_blocks > 1
+        extra["super_blocks"] = spec.quant.super_meta
     return _env().get_template(spec.template).render(spec=spec, **extra)
 
 

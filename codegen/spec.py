@@ -36,7 +36,7 @@ class KernelSpec:
         """Tiles whose stages carry kblocks: a stage's scales are whole super-blocks
         (quant_q4_K.cuh.j2 finds its own; QuantType.whole_kblocks rounds up to them)."""
         q = self.quant
-        if self.kblocks % q.sub_blocks:
+        if q.super_meta and self.kblocks % q.sub_blocks:
             raise ValueError(f"{self.name}: kblocks must hold whole {q.name} super-blocks ({q.sub_blocks} blocks)")
 
     def to_dict(self) -> dict:
@@ -124,7 +124,7 @@ class ModelSpec(KernelSpec):
         return f"attn_decode_h{width}"
 
     KERNELS: ClassVar[tuple[str, ...]] = (
-        "get_rows_q4_0", "get_rows_q8_0", "get_rows_q4_K", "rms_norm", "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128",
+        "get_rows_q4_0", "get_rows_q8_0", "get_rows_q4_K", "get_rows_q6_K", "rms_norm", "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128",
         "attn_decode_h256", *(f"attn_decode_gqa_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route", "router_route_cluster",
         "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",

@@ -70,6 +70,23 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
         mul = (d[..., None] * sc).astype(np.float32)                     # exact: 11 x 6 bits
         add = (-(dmin[..., None] * mn)).astype(np.float32)
         return ints.reshape(rows, k), mul.reshape(rows, nb), add.reshape(rows, nb)
+    if q.name == "q6_K":
+        # ggml's order: weight 128n + 32p + l has the low nibble of ql[64n + 32(p & 1) + l]
+        # (high nibble for p >= 2), bits 2p+1..2p of qh[32n + l], scale sc[8n + 2p + l // 16].
+        # The kernels fold the two scales of a 32-weight block into its integer dot, so
+        # ints are (q - 32) * sc and the block's multiplier is d alone.
+        ql = blocks[:, :, :128].reshape(rows, nsb, 2, 2, 32).astype(np.int32)
+        qh = blocks[:, :, 128:192].reshape(rows, nsb, 2, 32).astype(np.int32)
+        sc = blocks[:, :, 192:208].view(np.int8).reshape(rows, nsb, 2, 4, 2).astype(np.int32)
+        d = blocks[:, :, 208:210].copy().view(np.float16).reshape(rows, nsb).astype(np.float32)
+        quarters = []
+        for p in range(4):
+            low = ql[:, :, :, p & 1] & 0x0F if p < 2 else ql[:, :, :, p & 1] >> 4
+            quarters.append(low | (((qh >> (2 * p)) & 3) << 4))
+        qv = np.stack(quarters, axis=3)                                     # (rows, nsb, n, p, l)
+        ints = (qv - 32) * np.repeat(sc, 16, axis=-1)
+        mul = np.repeat(d, 8, axis=1)
+        return ints.reshape(rows, k), mul, np.zeros_like(mul)
     raise NotImplementedError(f"no kernel emulation for {q.name}")
 
 
@@ -172,11 +189,14 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     q = _q(qtype)
     nb = k // q.block_values
     blocks = rng.integers(0, 256, size=(rows, nb, q.block_bytes), dtype=np.uint8)
-    # the f16 scales (q4_K: d, then dmin) at the block's start
-    for at in range(0, 4 if q.name == "q4_K" else 2, 2):
+    # the f16 scales: q4_K's d, then dmin, at the block's start; q6_K's d at its end
+    where = {"q4_K": (0, 2), "q6_K": (208,)}.get(q.name, (0,))
+    for at in where:
         d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb)))
         if q.name == "q4_K":
             d /= 32   # times 6-bit sub-block scales and mins: weights of the same size
+        if q.name == "q6_K":
+            d /= 256  # times int8 scales and q - 32: weights of the same size
         blocks[:, :, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     return blocks.reshape(rows, nb * q.block_bytes)
 

@@ -24,12 +24,12 @@ from .synth_vocab import add_tokenizer
 
 ARCH = "qwen3moe"
 # q4_K_M: llama.cpp's mix of that name (q4_K, with q6_K where it gives more bits: see
-# tensor_plan); q6_K, which moeforge converts to q8_0 as it loads (runtime/convert.py), only
-# in that mix or as --output-type/--embd-type (llama.cpp's Q4_0 files keep a q6_K head)
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M")
+# tensor_plan); q6_K also for every matrix, or as --output-type/--embd-type (llama.cpp's
+# Q4_0 files keep a q6_K head)
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M", "q6_K")
 TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q6_K")
 # llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K is closest to Q4_K_S (14)
-FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14, "q4_K_M": 15}
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14, "q4_K_M": 15, "q6_K": 18}
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,11 @@ class _Weights:
             b[:, 2] = 127
         elif t == "q4_K":   # value 0 of sub-blocks 2i and 2i+1: the two nibbles of byte 32i
             b[:, 16::32] = 0xFF
+        elif t == "q6_K":   # value 0 of block 4n+p: both nibbles of ql[64n + 32(p & 1)], qh[32n]
+            b[:, 0:128:32] = 0xFF
+            b[:, 128:192:32] = 0xFF
+            sc = b[:, 192:208].view(np.int8)          # its scale, sc[8n + 2p], made positive
+            sc[:, ::2] = np.clip(np.abs(sc[:, ::2].astype(np.int16)), 1, 127)
         return b.reshape(-1)
 
     def float_tensor(self, name: str, shape, t: str) -> np.ndarray:
@@ -228,8 +233,6 @@ def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = 
         if t not in ("f32", "f16") and shape[-1] % block_size(t)[0]:
             raise ValueError(f"{tname}: rows of {shape[-1]} weights are not whole {t} blocks of "
                              f"{block_size(t)[0]} (the tiny-k preset's rows are)")
-        if skewed_router and source == "blocks" and tname == "token_embd.weight" and t == "q6_K":
-            raise ValueError("a skewed router keys on the embedding's blocks: give it q4_0, q8_0 or q4_K")
     t0 = time.perf_counter()
     tmp = f"{path}.tmp{os.getpid()}"
     w = gguf.GGUFWriter(tmp, ARCH)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .convert import FOREIGN, converted
+from .convert import converted, converted_types
 from .gguf_file import Expect, GGUFError, GGUFFile, TensorRef, check_tensors
 
 ARCH = "qwen3moe"
@@ -172,9 +172,10 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""
     hp = read_hparams(f)
     check_tensors(f, expected_tensors(hp, f))
-    # types without kernels (q6_K, ...) load as q8_0; check_tensors allowed only those, ours
+    # types without kernels (q5_K, ...) load as q8_0; check_tensors allowed only those, ours
     # and floats (Expect.types), checked as the file has them
-    T = {name: converted(ref) if ref.qtype in FOREIGN else ref for name, ref in f.tensors.items()}
+    convert = converted_types()
+    T = {name: converted(ref) if ref.qtype in convert else ref for name, ref in f.tensors.items()}
     layers = []
     for i in range(hp.n_layer):
         b = f"blk.{i}."

@@ -1,16 +1,16 @@
 """GGUF types moeforge has no kernels for, converted to q8_0 as they load.
 
-Real files mix types: llama.cpp's Q4_K_M gives the output head, and attn_v and ffn_down in
-half the layers, q6_K; its Q4_0 keeps a q6_K head. Such a file is not refused:
-each tensor of a type gguf can dequantize is dequantized with gguf's reference dequantizer
-and requantized to q8_0 with gguf's reference quantizer (ggml's quantize_row_q8_0): the
-K-quants of llama.cpp's mixes (q6_K, q5_K, q3_K, q2_K) on the device when the GPU loads
-them, with the same bits (array_blocks), the rest on the host, in chunks of blocks spread
-over threads (numpy lets go of the GIL in its loops). q8_0 is the most precise format the
-kernels take: a weight moves by at most half a q8_0 step (a block's largest magnitude /
-254), about a quarter of q6_K's own step, and costs 8.5 bits against q6_K's 6.56. Both backends load the same converted bytes, so the numpy backend stays the
-reference of the GPU's results; llama.cpp, which runs q6_K itself, differs by the requantization
-(the q4_K_M parity fixture measures it).
+Real files mix types: llama.cpp's Q4_K_M is q4_K with q6_K in places (both have kernels),
+and other mixes bring q5_K, q3_K, q2_K or the i-quants. Such a file is not refused: each
+tensor of a type gguf can dequantize is dequantized with gguf's reference dequantizer and
+requantized to q8_0 with gguf's reference quantizer (ggml's quantize_row_q8_0): the
+K-quants (q5_K, q3_K, q2_K; q6_K when MOEFORGE_CONVERT asks) on the device when the GPU
+loads them, with the same bits (array_blocks), the rest on the host, in chunks of blocks
+spread over threads (numpy lets go of the GIL in its loops). q8_0 is the most precise
+format the kernels take: a weight moves by at most half a q8_0 step (a block's largest
+magnitude / 254). Both backends load the same converted bytes, so the numpy backend stays
+the reference of the GPU's results; llama.cpp, which runs these types itself, differs by
+the requantization.
 """
 from __future__ import annotations
 
@@ -24,8 +24,23 @@ from . import array_blocks
 
 TARGET = "q8_0"
 # ggml names of the types converted (those gguf's dequantizer knows and the kernels do not)
-FOREIGN = ("q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q5_K", "q6_K", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs",
+FOREIGN = ("q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q5_K", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs",
            "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
+# Types with kernels of their own that a user may still have converted (MOEFORGE_CONVERT=q6_K:
+# to compare a file's speed and numerics with and without them); q6_K ran as q8_0 before
+# it had kernels.
+CONVERTIBLE = ("q6_K",)
+
+
+def converted_types() -> tuple[str, ...]:
+    """The types a load converts to q8_0: FOREIGN, and those of CONVERTIBLE named in the
+    comma-separated MOEFORGE_CONVERT."""
+    asked = [t.strip() for t in os.environ.get("MOEFORGE_CONVERT", "").split(",") if t.strip()]
+    bad = [t for t in asked if t not in CONVERTIBLE]
+    if bad:
+        raise ValueError(f"MOEFORGE_CONVERT: {', '.join(bad)} cannot be converted to {TARGET} "
+                         f"(convertible types with kernels: {', '.join(CONVERTIBLE)})")
+    return FOREIGN + tuple(asked)
 CHUNK_WEIGHTS = 1 << 18   # per task: ~1 MB of float32, small enough that threads do not queue on fresh mmaps
 
 
@@ -110,12 +125,14 @@ def converted(ref):
 def note(f) -> str | None:
     """One line on what a file's load converts, or None."""
     counts: dict[str, list[int]] = {}
+    convert = converted_types()
     for ref in f.tensors.values():
-        if ref.qtype in FOREIGN:
+        if ref.qtype in convert:
             c = counts.setdefault(ref.qtype, [0, 0])
             c[0] += 1
             c[1] += int(np.prod(ref.shape[:-1])) * QUANT_TYPES[TARGET].row_bytes(ref.shape[-1]) - ref.nbytes
     if not counts:
         return None
     parts = ", ".join(f"{n} {t} tensors (+{extra / 2**20:.1f} MiB)" for t, (n, extra) in counts.items())
-    return f"{f.path}: {parts} run as {TARGET}, converted as they load (moeforge has no kernels for them)"
+    why = "MOEFORGE_CONVERT, or no kernels for them" if len(convert) > len(FOREIGN) else "moeforge has no kernels for them"
+    return f"{f.path}: {parts} run as {TARGET}, converted as they load ({why})"

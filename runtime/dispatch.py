@@ -59,7 +59,8 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
     -> 19.4; its down product n=8 42.5 -> 21.3; q8_0 n=8 37.6 -> 33.8. One token with
     experts: the guessing form (guesses_ids), but for K-quants: their raw 16-byte scales
     overflow the 80 registers that form is bounded to (it spills); H100, the tuner's q4_K
-    Qwen3 entry (shipped profile), 5.84 us guessing against 4.45 without."""
+    Qwen3 entry (shipped profile), 5.84 us guessing against 4.45 without. q6_K keeps 12 meta
+    bytes a block (three words a row and unit, as q4_K's four) and follows the same rules."""
     guess = guesses_ids(n, ids) and quant_type(qtype).sub_blocks == 1
     return MmvqSpec.decode(qtype, ids=ids, guess=guess)
 

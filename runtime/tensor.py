@@ -25,6 +25,11 @@ def split_blocks(raw, q: QuantType, rows: int, k: int):
     nsb = nb // q.sub_blocks
     span = q.qs_bytes * q.sub_blocks
     blocks = xp.ascontiguousarray(raw).reshape(rows, nsb, q.block_bytes)
+    if q.high_bits:
+        qs, own = _split_q6_k(blocks, xp)
+        meta = xp.zeros((rows, q.meta_stride(k)), dtype=xp.uint8)
+        meta[:, :nb * q.meta_bytes] = own.reshape(rows, nb * q.meta_bytes)
+        return xp.ascontiguousarray(qs).reshape(rows, nb * q.qs_bytes), meta
     qs = blocks[:, :, q.qs_offset:q.qs_offset + span]
     if q.paired_nibbles:
         qs = _unpair_nibbles(qs, xp)
@@ -46,6 +51,9 @@ def join_blocks(qs: np.ndarray, meta: np.ndarray, q: QuantType, rows: int, k: in
     """The inverse of split_blocks: GGUF block bytes, (rows, row_bytes)."""
     nb = q.blocks_per_row(k)
     nsb = nb // q.sub_blocks
+    if q.high_bits:
+        own = meta[:, :nb * q.meta_bytes].reshape(rows, nsb, q.sub_blocks, q.meta_bytes)
+        return _join_q6_k(qs.reshape(rows, nsb, q.sub_blocks, q.qs_bytes), own).reshape(rows, nsb * q.block_bytes)
     qs = qs.reshape(rows, nsb, q.qs_bytes * q.sub_blocks)
     if q.paired_nibbles:
         qs = _pair_nibbles(qs)
@@ -69,6 +77,41 @@ def _pair_nibbles(qs: np.ndarray) -> np.ndarray:
     vals = np.concatenate([b & 0x0F, b >> 4], axis=-1)         # (.., pairs, 2, 32 values)
     out = vals[..., 0, :] | (vals[..., 1, :] << 4)
     return out.reshape(qs.shape)
+
+
+def _split_q6_k(blocks, xp=np):
+    """q6_K super-blocks (.., 210) -> (qs (.., 8, 16), meta (.., 8, 12)) a kernel block
+    (quant_q6_K.cuh.j2). Kernel block j = 4n + p of a super-block (n: its 128-weight half,
+    p: the quarter in it) holds ggml's weights 128n + 32p + l, l < 32: their low nibbles are
+    ql[64n + 32(p & 1) + l] (the low nibble for p < 2, the high one else), their high parts
+    bits 2p+1..2p of qh[32n + l] (stored with the top bit flipped), their scales sc[2j]
+    (l < 16) and sc[2j + 1]."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., :128].reshape(*lead, 2, 2, 32)                 # (n, p & 1, l)
+    low = xp.concatenate([ql & 0x0F, ql >> 4], axis=-2)              # (n, p, l)
+    qs = low[..., :16] | (low[..., 16:] << 4)                        # q4_0's order: (n, p, 16)
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+    shifts = xp.asarray([0, 2, 4, 6], dtype=xp.uint8).reshape(4, 1)
+    high = ((qh >> shifts) & 3).reshape(*lead, 2, 4, 2, 4, 4)       # (n, p, half, i, b): l = 16 half + 4i + b
+    words = (high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6))
+    words = words ^ 0xAA        # each high part's top bit flipped: q - 32 in two's complement
+    sc = blocks[..., 192:208].reshape(*lead, 8, 2)
+    d = xp.broadcast_to(blocks[..., None, 208:210], (*lead, 8, 2))
+    meta = xp.concatenate([words.reshape(*lead, 8, 8), sc, d], axis=-1)
+    return qs.reshape(*lead, 8, 16), meta
+
+
+def _join_q6_k(qs: np.ndarray, meta: np.ndarray) -> np.ndarray:
+    """The inverse of _split_q6_k: (.., 8, 16) and (.., 8, 12) -> (.., 210)."""
+    lead = qs.shape[:-2]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(*lead, 2, 4, 32)   # (n, p, l)
+    ql = low[..., :2, :] | (low[..., 2:, :] << 4)                                  # (n, p & 1, l)
+    words = meta[..., :8].reshape(*lead, 2, 4, 2, 4) ^ 0xAA                        # (n, p, half, b)
+    high = np.stack([(words >> (2 * i)) & 3 for i in range(4)], axis=-2)          # (n, p, half, i, b)
+    high = high.reshape(*lead, 2, 4, 32)
+    qh = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+    return np.concatenate([ql.reshape(*lead, 128), qh.reshape(*lead, 64),
+                           meta[..., 8:10].reshape(*lead, 16), meta[..., 0, 10:12]], axis=-1)
 
 
 def _numel(shape) -> int:

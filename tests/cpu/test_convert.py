@@ -73,7 +73,8 @@ def test_array_op_converters_are_ggufs_bit_for_bit(rng, name):
     assert (w[-4:] == 0).all() and np.abs(w[:-4]).max() > 0
     w = w.reshape(-1, 32)
     np.testing.assert_array_equal(array_blocks.quantize_q8_0(w), quants.Q8_0.quantize_blocks(w))
-    assert name in convert.FOREIGN and convert.block_size(name) == gguf.GGML_QUANT_SIZES[convert.ggml_type(name)]
+    assert name in convert.FOREIGN + convert.CONVERTIBLE
+    assert convert.block_size(name) == gguf.GGML_QUANT_SIZES[convert.ggml_type(name)]
 
 
 @pytest.mark.parametrize("name", convert.FOREIGN)
@@ -87,7 +88,7 @@ def test_every_listed_type_converts(rng, name):
     assert out.shape == (3, k // 32 * 34)
 
 
-def test_a_q4_k_m_file_loads_with_its_q6_k_tensors_as_q8_0(tmp_path):
+def test_a_q4_k_m_file_loads_its_q6_k_tensors_as_they_are_or_as_q8_0_on_request(tmp_path, monkeypatch):
     from moeforge.runtime.arch_qwen3moe import open_model
     from moeforge.runtime.gguf_file import GGUFFile
     from moeforge.runtime.model import load_model
@@ -100,6 +101,13 @@ def test_a_q4_k_m_file_loads_with_its_q6_k_tensors_as_q8_0(tmp_path):
     assert q6 == ["blk.1.attn_v.weight", "blk.1.ffn_down_exps.weight", "output.weight"]
     assert {t for _, _, t in tensor_plan(preset("tiny-k"), "q4_K_M")} == {"f32", "q4_K", "q6_K"}
     refs = open_model(f)
+    assert refs.output.qtype == "q6_K" and refs.layers[1].wv.qtype == "q6_K" and refs.layers[0].wv.qtype == "q4_K"
+    assert convert.note(f) is None
+    m = load_model(path, backend="numpy")
+    native = m.logits([1, 2, 3])
+    # MOEFORGE_CONVERT=q6_K: the kernels' q8_0 in its place (to compare), said as it loads
+    monkeypatch.setenv("MOEFORGE_CONVERT", "q6_K")
+    refs = open_model(f)
     assert refs.output.qtype == "q8_0" and refs.layers[1].wv.qtype == "q8_0" and refs.layers[0].wv.qtype == "q4_K"
     want = _dequantize(f.tensors["output.weight"].load(), "q6_K", 256)
     got = _dequantize(refs.output.load(), "q8_0", 256)
@@ -110,7 +118,12 @@ def test_a_q4_k_m_file_loads_with_its_q6_k_tensors_as_q8_0(tmp_path):
     assert any("3 q6_K tensors" in str(w.message) and "q8_0" in str(w.message) for w in caught)
     assert m.n_bytes == sum(t.nbytes for t in f.tensors.values())
     assert f.tensors["output.weight"].nbytes == 512 * 210          # the file's bytes, not q8_0's
-    assert np.isfinite(m.logits([1, 2, 3])).all()
+    converted = m.logits([1, 2, 3])
+    assert np.isfinite(converted).all() and np.isfinite(native).all()
+    assert 0 < np.abs(converted - native).max() < 0.05 * np.abs(native).max()
+    monkeypatch.setenv("MOEFORGE_CONVERT", "q4_K")
+    with pytest.raises(ValueError, match="MOEFORGE_CONVERT: q4_K cannot be converted"):
+        open_model(f)
 
 
 def test_more_bits_follows_llama_cpp():

@@ -14,7 +14,12 @@ def test_table_agrees_with_gguf(name):
     assert (q.block_values, q.block_bytes) == (block_values, block_bytes)
     span = q.qs_bytes * q.sub_blocks
     assert q.qs_bytes % 16 == 0 and 0 <= q.qs_offset and q.qs_offset + span <= q.block_bytes
-    assert q.meta_bytes * q.sub_blocks + span == q.block_bytes
+    if q.own_meta_bytes:
+        # each kernel block's meta of its own (q6_K: its high bits, two scales, d again):
+        # at least the bytes outside qs, shared among the kernel blocks
+        assert q.meta_bytes * q.sub_blocks >= q.block_bytes - span and q.meta_bytes % 4 == 0
+    else:
+        assert q.meta_bytes * q.sub_blocks + span == q.block_bytes
     assert q.name == quant_type(name.upper()).name == type_name(q.ggml_type)
 
 
@@ -32,6 +37,34 @@ def test_split_layout_round_trips_and_aligns(rng, name, blocks):
     # padding of the meta rows is zero: a k-chunk past the row end reads zero scales
     assert not meta[:, nb * q.meta_bytes:].any()
     assert meta.shape[1] >= -(-nb // q.pad_blocks) * q.pad_blocks * q.meta_bytes
+
+
+def test_q6_k_split_layout_is_what_the_kernels_read(rng):
+    """The q6_K kernels' reading of the split bytes (quant_q6_K.cuh.j2, get_rows_q6_K):
+    block b's low nibbles in q4_0's order, meta word h (values 16h..16h+15) byte j & 3 bits
+    2*(j >> 2)+1.. the high part of value 16h + j with its top bit flipped, then the scales
+    of values 0..15 and 16..31, then d; (d * sc) * (q - 32) is gguf's dequantization bit for
+    bit, and the bytes the kernels build, nibble << 2 | flipped high part << 6, are the
+    int8 4 * (q - 32)."""
+    q = quant_type("q6_K")
+    rows, k = 5, 768
+    raw = ref.random_blocks("q6_K", rows, k, rng)
+    qs, meta = split_blocks(raw, q, rows, k)
+    nb = k // 32
+    qb = qs.reshape(rows, nb, 16)
+    m = meta[:, :nb * 12].reshape(rows, nb, 12)
+    low = np.concatenate([qb & 15, qb >> 4], axis=-1).astype(np.int32)              # value j
+    words = m[..., :8].reshape(rows, nb, 2, 4)                                        # (h, byte)
+    high = np.stack([(words >> (2 * i)) & 3 for i in range(4)], axis=-2)             # (h, i, byte)
+    high = high.reshape(rows, nb, 32).astype(np.int32)
+    v = (low | ((high ^ 2) << 4)) - 32
+    as_int8 = ((low << 2) | (high << 6)).astype(np.uint8).view(np.int8)
+    assert np.array_equal(as_int8.astype(np.int32), 4 * v)
+    sc = np.repeat(m[..., 8:10].copy().view(np.int8).astype(np.float32), 16, axis=-1)
+    d = m[..., 10:12].copy().view(np.float16).astype(np.float32)
+    w = ((d * sc) * v.astype(np.float32)).reshape(rows, k)
+    want = ref.dequantize(raw, "q6_K", (rows, k))
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
 
 
 def test_bad_k_and_unknown_type_are_named():

@@ -54,7 +54,50 @@ def test_emulation_matches_brute_force_integer_dot(rng, qtype):
                 assert emu[t, j, r] == pytest.approx(acc, rel=1e-12, abs=1e-12)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def _q6_k_ints(blk: np.ndarray) -> np.ndarray:
+    """One q6_K super-block's (q - 32) * scale per weight, ggml's dequantize loop written out."""
+    ql, qh, sc = blk[:128].astype(np.int64), blk[128:192].astype(np.int64), blk[192:208].view(np.int8)
+    out = np.empty(256, dtype=np.int64)
+    for n in range(2):
+        for ll in range(32):
+            s = 8 * n + ll // 16
+            qs = ((ql[64 * n + ll] & 15) | ((qh[32 * n + ll] & 3) << 4),
+                  (ql[64 * n + ll + 32] & 15) | (((qh[32 * n + ll] >> 2) & 3) << 4),
+                  (ql[64 * n + ll] >> 4) | (((qh[32 * n + ll] >> 4) & 3) << 4),
+                  (ql[64 * n + ll + 32] >> 4) | (((qh[32 * n + ll] >> 6) & 3) << 4))
+            for p in range(4):
+                out[128 * n + 32 * p + ll] = (qs[p] - 32) * int(sc[s + 2 * p])
+    return out
+
+
+def test_q6_k_emulation_matches_brute_force_integer_dot(rng):
+    """q6_K: each 32-weight block's two scales folded into its integer dot, d alone as
+    the float multiplier (quant_q6_K.cuh.j2)."""
+    E, m, k, n = 3, 5, 512, 2
+    raw = ref.random_blocks("q6_K", E * m, k, rng)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    ids = np.array([[2], [0]], dtype=np.int32)
+    emu = ref.mul_mat_id_emulated(raw, "q6_K", (E, m, k), x, ids)
+    xq, dx, _ = ref.quantize_q8_1(x)
+    blocks = raw.reshape(E * m, k // 256, 210)
+    for t in range(n):
+        e = ids[t, 0]
+        for r in range(m):
+            acc = 0.0
+            for sb in range(k // 256):
+                blk = blocks[e * m + r, sb]
+                ints, d = _q6_k_ints(blk), float(blk[208:210].view(np.float16)[0])
+                for b in range(8):
+                    i0 = 256 * sb + 32 * b
+                    acc += d * float(dx[t, i0 // 32]) * int(ints[32 * b:32 * b + 32] @ xq[t, i0:i0 + 32].astype(np.int64))
+            assert emu[t, 0, r] == pytest.approx(acc, rel=1e-12, abs=1e-12)
+    w = ref.dequantize(raw, "q6_K", (E * m, k)).reshape(E * m, k // 256, 256)
+    d = blocks[:, :, 208:210].copy().view(np.float16).astype(np.float64)
+    ints = np.stack([[_q6_k_ints(b) for b in row] for row in blocks])
+    np.testing.assert_allclose(w, d * ints, rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q6_K"])
 def test_emulation_is_close_to_float(rng, qtype):
     E, m, k, n, top_k = 8, 40, 512, 17, 3
     raw = ref.random_blocks(qtype, E * m, k, rng)
@@ -66,7 +109,7 @@ def test_emulation_is_close_to_float(rng, qtype):
 
 
 def test_random_blocks_are_valid_and_finite(rng):
-    for qtype in ("q4_0", "q8_0"):
+    for qtype in ("q4_0", "q8_0", "q4_K", "q6_K"):
         w = ref.dequantize(ref.random_blocks(qtype, 16, 256, rng), qtype, (16, 256))
         assert np.isfinite(w).all() and np.abs(w).max() > 0
 

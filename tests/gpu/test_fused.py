@@ -68,7 +68,7 @@ def _replay_matches(capture, outs, want):
                 np.testing.assert_array_equal(got.get(), exp)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q6_K"])
 @pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("merged", [True, False])
@@ -77,7 +77,7 @@ def test_moe_gate_up(rng, qtype, act, bias, merged, n):
     import cupy as cp
     import moeforge
     from moeforge.codegen.spec import MmvqSpec
-    shapes = SHAPES_K if qtype == "q4_K" else SHAPES
+    shapes = SHAPES_K if qtype in ("q4_K", "q6_K") else SHAPES
     E, top_k, n_ff, k = shapes[(n + len(act) + 2 * bias + merged) % len(shapes)]
     rg, ru, w = _weights(rng, qtype, E, n_ff, k, merged)
     x = (rng.standard_normal((n, k)) * 2).astype(np.float32)

@@ -1,7 +1,7 @@
-"""K-quant weights (q4_K) on the GPU: every MUL_MAT_ID path against both references, and a
-model whose every matrix is q4_K against the numpy backend that emulates the kernels
-(pytest -m gpu; the dense product and the fused gate/up take q4_K in test_mul_mat_id and
-test_fused). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it can."""
+"""K-quant weights (q4_K, q6_K) on the GPU: every MUL_MAT_ID path against both references,
+and a model whose every matrix is of the type against the numpy backend that emulates the
+kernels (pytest -m gpu; the dense product and the fused gate/up take them in test_mul_mat_id
+and test_fused). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it can."""
 import numpy as np
 import pytest
 
@@ -11,7 +11,11 @@ from test_mul_mat_id import _check, _choices, _setup
 
 pytestmark = pytest.mark.gpu
 
-Q = "q4_K"
+
+
+@pytest.fixture(params=["q4_K", "q6_K"])
+def Q(request):
+    return request.param
 
 GRID = [
     # (E, top_k, m, k, n): one super-block, an odd count of them (11), every path's n range
@@ -21,7 +25,7 @@ GRID = [
 
 
 @pytest.mark.parametrize("E,top_k,m,k,n", GRID)
-def test_every_path_both_references(rng, E, top_k, m, k, n):
+def test_every_path_both_references(Q, rng, E, top_k, m, k, n):
     import cupy as cp
     import moeforge
     raw, w, x, ids, xd, idsd = _setup(rng, Q, E, m, k, n, top_k, skew=n >= 16)
@@ -33,7 +37,7 @@ def test_every_path_both_references(rng, E, top_k, m, k, n):
 
 
 @pytest.mark.parametrize("n", [1, 40])
-def test_per_slot_activations(rng, n):
+def test_per_slot_activations(Q, rng, n):
     import cupy as cp
     import moeforge
     E, top_k, m, k = 16, 4, 72, 512
@@ -44,7 +48,7 @@ def test_per_slot_activations(rng, n):
         _check(raw, Q, (E, m, k), x, ids, out)
 
 
-def test_default_dispatch_anchor_shape_and_bitwise_repeats(rng):
+def test_default_dispatch_anchor_shape_and_bitwise_repeats(Q, rng):
     import moeforge
     E, top_k, m, k = 128, 8, 768, 2048
     for n in (1, 4, 16, 128, 512):
@@ -56,7 +60,7 @@ def test_default_dispatch_anchor_shape_and_bitwise_repeats(rng):
             assert np.array_equal(out.view(np.uint32), again.view(np.uint32)), n
 
 
-def test_streamk_fixup_over_sm_counts(rng):
+def test_streamk_fixup_over_sm_counts(Q, rng):
     """Stream-k splits a tile's k range at stage boundaries: each block must find its
     super-block's scales from wherever its k range starts."""
     import cupy as cp
@@ -80,8 +84,8 @@ def test_streamk_fixup_over_sm_counts(rng):
         ops.device_info = real
 
 
-def test_embedding_rows_are_ggufs_dequantization(tmp_path):
-    """get_rows_q4_K gives gguf's own dequantized rows, bit for bit."""
+def test_embedding_rows_are_ggufs_dequantization(Q, tmp_path):
+    """get_rows_q4_K and get_rows_q6_K give gguf's own dequantized rows, bit for bit."""
     import cupy as cp
     from moeforge.runtime.gguf_file import GGUFFile
     from moeforge.synth import preset, write_qwen3moe
@@ -95,8 +99,8 @@ def test_embedding_rows_are_ggufs_dequantization(tmp_path):
 
 
 @pytest.mark.parametrize("skewed", [False, True])
-def test_model_matches_numpy_kernel_emulation(tmp_path, skewed):
-    """A tiny model whose every matrix is q4_K (embedding and head too): prompt pass and
+def test_model_matches_numpy_kernel_emulation(Q, tmp_path, skewed):
+    """A tiny model whose every matrix is of type Q (embedding and head too): prompt pass and
     decode steps on the GPU against the numpy backend's emulation of the kernels."""
     from conftest import kl_per_token
     from moeforge.synth import preset, write_qwen3moe

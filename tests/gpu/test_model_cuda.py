@@ -10,7 +10,7 @@ from moeforge.runtime.model import load_model
 
 pytestmark = pytest.mark.gpu
 
-# q4_K_M: llama.cpp's mix, its q6_K tensors converted to q8_0 as they load
+# q4_K_M: llama.cpp's mix, q4_K with q6_K tensors (both run as they are)
 FIXTURES = ["f32", "f16", "q8_0", "q4_0", "q4_0-tied", "q4_K", "q4_K_M"]
 
 

@@ -75,7 +75,8 @@ def test_k_quants_convert_on_the_device_to_the_hosts_bytes(rng, monkeypatch, nam
     assert isinstance(got, cp.ndarray) and np.array_equal(got.get(), want)
 
 
-def test_q4_k_m_model_converts_on_the_device(tmp_path):
+def test_q4_k_m_model_converts_on_the_device(tmp_path, monkeypatch):
+    """MOEFORGE_CONVERT=q6_K (q6_K has kernels now): the conversion on the device."""
     import cupy as cp
     from moeforge.runtime.arch_qwen3moe import open_model
     from moeforge.runtime.gguf_file import GGUFFile
@@ -83,6 +84,7 @@ def test_q4_k_m_model_converts_on_the_device(tmp_path):
     path = str(tmp_path / "m.gguf")
     write_qwen3moe(path, preset("tiny-k"), "q4_K_M", seed=7)
     f = GGUFFile(path)
+    monkeypatch.setenv("MOEFORGE_CONVERT", "q6_K")
     refs = open_model(f)
     names = [n for n, t in f.tensors.items() if t.qtype == "q6_K"]
     assert names and refs.output.qtype == "q8_0"
