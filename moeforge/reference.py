@@ -12,6 +12,7 @@ import numpy as np
 from gguf import quants
 
 from .codegen.quant import QuantType, quant_type
+from .codegen.spec import MmfSpec
 
 
 def _q(qtype) -> QuantType:
@@ -142,6 +143,8 @@ def f16_weights(raw: np.ndarray, qtype, rows: int, k: int) -> np.ndarray:
     """Weights as the f16 tensor-core path (MmfSpec) multiplies them: d * (q - offset)
     rounded once to float16 (the product is exact in float32); K-quants below."""
     q = _q(qtype)
+    if q.name not in MmfSpec.QTYPES:
+        raise ValueError(f"{q.name} has no f16 tiles (MmfSpec.QTYPES)")
     ints, mul, add = _kernel_view(raw, q, rows, k)
     nb = k // 32
     if q.sub_blocks > 1:

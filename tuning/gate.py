@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import reference as ref
 from ..codegen.quant import quant_type
+from ..codegen.spec import MmfSpec
 
 NMSE_EMULATED = 1e-10
 NMSE_FLOAT = 5e-4
@@ -72,7 +73,7 @@ class Reference:
     rows: np.ndarray
     emulated: np.ndarray     # (len(tokens), top_k, len(rows)) float64
     exact: np.ndarray
-    emulated_f16: np.ndarray  # the f16 path's own rounding (reference.mul_mat_id_emulated_f16)
+    emulated_f16: np.ndarray | None  # the f16 path's own rounding; None: the type has no f16 tiles
 
     def pick(self, out: np.ndarray) -> np.ndarray:
         """The checked part of a full (n, top_k, m) output."""
@@ -89,7 +90,7 @@ def reference(raw: np.ndarray, qtype: str, shape, x: np.ndarray, ids: np.ndarray
     xs, idss = x[tokens], ids[tokens]
     emu = ref.mul_mat_id_emulated(sub, qtype, sub_shape, xs, idss)
     exact = ref.mul_mat_id_float(ref.dequantize(sub, qtype, sub_shape), xs, idss)
-    emu16 = ref.mul_mat_id_emulated_f16(sub, qtype, sub_shape, xs, idss)
+    emu16 = ref.mul_mat_id_emulated_f16(sub, qtype, sub_shape, xs, idss) if q.name in MmfSpec.QTYPES else None
     return Reference(tokens, rows, emu, exact, emu16)
 
 
