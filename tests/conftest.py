@@ -48,8 +48,9 @@ def compile_plan() -> dict:
     and >= 900 only (test_codegen checks that), so sm_90 builds every instance, sm_80 every
     instance of the 32-weight formats (their code is the shared templates' whole), and the
     other architectures, which compile sm_80's path, a fixed eighth. A super-block format's
-    instances differ from those only by its traits template, which has no architecture
-    branch (test_codegen checks that too): sm_80 builds an eighth of them. Every instance
+    instances differ from those by its traits template and their own template branches
+    (q6_K's), none of which has an architecture branch (test_codegen checks the traits):
+    sm_80 builds an eighth of them. Every instance
     for all four architectures took ~27 of CI's ~32 minutes on 2 cores; with q4_K in full on
     sm_80 as well, CI took 27 minutes."""
     from moeforge.codegen.compile import ARCHS

@@ -197,3 +197,15 @@ def test_profile_list_judges_other_templates_entry_by_entry(tmp_path, monkeypatc
     assert "[this GPU" not in head["b-unhashed"]
     assert head["c-otherdriver"].endswith("used with a warning]")
     assert "[this GPU" not in head["d-otherdriver-unhashed"]
+
+
+def test_every_shipped_entry_still_names_the_kernel_it_timed():
+    """A template change that alters a shipped entry's kernel silently demotes that entry to
+    the defaults on the cards it was tuned for: the change must come with a re-tune (or
+    render the old instances byte for byte, as the K-quant branches do)."""
+    shipped = paths.shipped_profiles()
+    assert shipped, "the package ships its H100 and H200 profiles"
+    for path in shipped:
+        prof = pm.load(path)
+        stale = [e.spec.name for e in prof.entries.values() if e.extra.get("kernel") != source_hash(e.spec)]
+        assert prof.entries and not stale, f"{path.name}: {len(stale)} entries timed other kernels: {stale[:5]}"
