@@ -1,7 +1,10 @@
+import dataclasses
 import os
 
 import numpy as np
 import pytest
+
+from moeforge.codegen.spec import MmqSpec
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,27 +43,36 @@ def generated(tmp_path_factory):
 
 
 FULL_ARCHS = ("sm_80", "sm_90")   # the templates' two code paths (see compile_plan)
-SAMPLE_EVERY = 8
+SAMPLE_EVERY = 8        # sm_80's share of the instances beyond its branch signatures
+OTHER_ARCH_EVERY = 32   # sm_86's and sm_89's: sm_80's code under another target
+TILE_SIZES = ("x", "y", "warps", "kblocks", "stages")
+
+
+def branch_signature(spec) -> tuple:
+    """A spec without its tile sizes: the template branches it takes (the sizes are only
+    #defines the branches are written over)."""
+    fields = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else {}
+    return (type(spec).__name__, *((k, v) for k, v in fields.items() if k not in TILE_SIZES))
 
 
 def compile_plan() -> dict:
     """{arch: instances} the compile test builds. The templates branch on __CUDA_ARCH__ >= 800
-    and >= 900 only (test_codegen checks that), so sm_90 builds every instance, sm_80 every
-    instance of the 32-weight formats (their code is the shared templates' whole), and the
-    other architectures, which compile sm_80's path, a fixed eighth. A super-block format's
-    instances differ from those by its traits template and their own template branches
-    (q6_K's), none of which has an architecture branch (test_codegen checks the traits):
-    sm_80 builds an eighth of them. Every instance
-    for all four architectures took ~27 of CI's ~32 minutes on 2 cores; with q4_K in full on
-    sm_80 as well, CI took 27 minutes."""
+    and >= 900 only (test_codegen checks that), so sm_90 builds every instance; sm_80's code
+    is the same templates without the >= 900 branches, so it builds every mat-vec, f16-tile
+    and model instance of the 32-weight formats (cheap), one tile instance of every branch
+    signature of every format (the tile sizes only change #defines that sm_90 compiled in
+    every combination) and a fixed eighth of the rest; sm_86 and sm_89, which compile
+    sm_80's path, a fixed 32nd. With q6_K (617 instances) on top of the plan before
+    (sm_80 every 32-weight instance, the others an eighth), the compile test took ~21 of
+    CI's ~28 minutes on 2 cores."""
     from moeforge.codegen.compile import ARCHS
     from moeforge.codegen.enumerate import all_specs
     from moeforge.codegen.quant import parse_types
     specs = all_specs(parse_types("all"))
-    sample = specs[::SAMPLE_EVERY]
-    blocks32 = [s for s in specs if not hasattr(s, "quant") or s.quant.sub_blocks == 1]
-    super_sample = [s for s in specs if hasattr(s, "quant") and s.quant.sub_blocks > 1][::SAMPLE_EVERY]
-    return {a: specs if a == "sm_90" else blocks32 + super_sample if a == "sm_80" else sample for a in ARCHS}
+    cheap32 = [s for s in specs if not isinstance(s, MmqSpec) and (not hasattr(s, "quant") or s.quant.sub_blocks == 1)]
+    one_each = list({branch_signature(s): s for s in reversed(specs)}.values())
+    sm80 = list(dict.fromkeys(cheap32 + one_each + specs[::SAMPLE_EVERY]))
+    return {a: specs if a == "sm_90" else sm80 if a == "sm_80" else specs[::OTHER_ARCH_EVERY] for a in ARCHS}
 
 
 PARITY_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
