@@ -26,6 +26,7 @@ TARGET = "q8_0"
 # ggml names of the types converted (those gguf's dequantizer knows and the kernels do not)
 FOREIGN = ("q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q5_K", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs",
            "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
+CHUNK_WEIGHTS = 1 << 18   # per task: ~1 MB of float32, small enough that threads do not queue on fresh mmaps
 # Types with kernels of their own that a user may still have converted (MOEFORGE_CONVERT=q6_K:
 # to compare a file's speed and numerics with and without them); q6_K ran as q8_0 before
 # it had kernels.
@@ -41,7 +42,6 @@ def converted_types() -> tuple[str, ...]:
         raise ValueError(f"MOEFORGE_CONVERT: {', '.join(bad)} cannot be converted to {TARGET} "
                          f"(convertible types with kernels: {', '.join(CONVERTIBLE)})")
     return FOREIGN + tuple(asked)
-CHUNK_WEIGHTS = 1 << 18   # per task: ~1 MB of float32, small enough that threads do not queue on fresh mmaps
 
 
 def ggml_type(name: str):
