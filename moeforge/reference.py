@@ -72,21 +72,12 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
         add = (-(dmin[..., None] * mn)).astype(np.float32)
         return ints.reshape(rows, k), mul.reshape(rows, nb), add.reshape(rows, nb)
     if q.name == "q6_K":
-        # ggml's order: weight 128n + 32p + l has the low nibble of ql[64n + 32(p & 1) + l]
-        # (high nibble for p >= 2), bits 2p+1..2p of qh[32n + l], scale sc[8n + 2p + l // 16].
         # The kernels fold the two scales of a 32-weight block into its integer dot, so
         # ints are (q - 32) * sc and the block's multiplier is d alone.
-        ql = blocks[:, :, :128].reshape(rows, nsb, 2, 2, 32).astype(np.int32)
-        qh = blocks[:, :, 128:192].reshape(rows, nsb, 2, 32).astype(np.int32)
-        sc = blocks[:, :, 192:208].view(np.int8).reshape(rows, nsb, 2, 4, 2).astype(np.int32)
-        d = blocks[:, :, 208:210].copy().view(np.float16).reshape(rows, nsb).astype(np.float32)
-        quarters = []
-        for p in range(4):
-            low = ql[:, :, :, p & 1] & 0x0F if p < 2 else ql[:, :, :, p & 1] >> 4
-            quarters.append(low | (((qh >> (2 * p)) & 3) << 4))
-        qv = np.stack(quarters, axis=3)                                     # (rows, nsb, n, p, l)
-        ints = (qv - 32) * np.repeat(sc, 16, axis=-1)
-        mul = np.repeat(d, 8, axis=1)
+        from .runtime.array_blocks import q6_k_parts
+        qv, sc, d6 = q6_k_parts(blocks.reshape(rows * nsb, q.block_bytes))
+        ints = qv.astype(np.int32).reshape(-1, 16, 16) * sc.astype(np.int32)[..., None]
+        mul = np.repeat(d6.reshape(rows, nsb), 8, axis=1)
         return ints.reshape(rows, k), mul, np.zeros_like(mul)
     raise NotImplementedError(f"no kernel emulation for {q.name}")
 

@@ -71,13 +71,21 @@ def dequantize_q5_k(blocks, xp=np):
     return (dl * q - ml).reshape(n, 256)
 
 
+def q6_k_parts(blocks, xp=np):
+    """q6_K super-blocks (n, 210) -> (q - 32 as int8 (n, 256) in weight order, the sixteen
+    scales as int8 (n, 16), one a 16 weights, d as float32 (n, 1)); the reference's
+    emulation reads them here too."""
+    n = blocks.shape[0]
+    ql = _bits(blocks[:, :128], n, 64, 4, xp).reshape(n, -1, 32)
+    qh = _bits(blocks[:, 128:192], n, 32, 2, xp).reshape(n, -1, 32)
+    q = (ql | (qh << 4)).astype(xp.int8) - xp.int8(32)
+    return q.reshape(n, 256), xp.ascontiguousarray(blocks[:, 192:208]).view(xp.int8), _f16(blocks[:, 208:210], xp)
+
+
 def dequantize_q6_k(blocks, xp=np):
     n = blocks.shape[0]
-    ql, qh, scales, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], _f16(blocks[:, 208:210], xp)
-    d = (d * xp.ascontiguousarray(scales).view(xp.int8).astype(xp.float32)).reshape(n, 16, 1)
-    ql = _bits(ql, n, 64, 4, xp).reshape(n, -1, 32)
-    qh = _bits(qh, n, 32, 2, xp).reshape(n, -1, 32)
-    q = (ql | (qh << 4)).astype(xp.int8) - xp.int8(32)
+    q, scales, d = q6_k_parts(blocks, xp)
+    d = (d * scales.astype(xp.float32)).reshape(n, 16, 1)
     return (d * q.reshape(n, 16, -1).astype(xp.float32)).reshape(n, 256)
 
 

@@ -27,15 +27,13 @@ def split_blocks(raw, q: QuantType, rows: int, k: int):
     blocks = xp.ascontiguousarray(raw).reshape(rows, nsb, q.block_bytes)
     if q.high_bits:
         qs, own = _split_q6_k(blocks, xp)
-        meta = xp.zeros((rows, q.meta_stride(k)), dtype=xp.uint8)
-        meta[:, :nb * q.meta_bytes] = own.reshape(rows, nb * q.meta_bytes)
-        return xp.ascontiguousarray(qs).reshape(rows, nb * q.qs_bytes), meta
-    qs = blocks[:, :, q.qs_offset:q.qs_offset + span]
-    if q.paired_nibbles:
-        qs = _unpair_nibbles(qs, xp)
+    else:
+        qs = blocks[:, :, q.qs_offset:q.qs_offset + span]
+        if q.paired_nibbles:
+            qs = _unpair_nibbles(qs, xp)
+        own = xp.concatenate([blocks[:, :, :q.qs_offset], blocks[:, :, q.qs_offset + span:]], axis=2)
     meta = xp.zeros((rows, q.meta_stride(k)), dtype=xp.uint8)
-    head, tail = blocks[:, :, :q.qs_offset], blocks[:, :, q.qs_offset + span:]
-    meta[:, :nb * q.meta_bytes] = xp.concatenate([head, tail], axis=2).reshape(rows, nb * q.meta_bytes)
+    meta[:, :nb * q.meta_bytes] = own.reshape(rows, nb * q.meta_bytes)
     return xp.ascontiguousarray(qs).reshape(rows, nb * q.qs_bytes), meta
 
 
