@@ -37,7 +37,7 @@ class QuantType:
     paired_nibbles: bool = False
     # The activation quantization the kernels pair with this format; only q8_1 so far.
     act_type: str = "q8_1"
-    # Bits of each weight above the four in qs, kept in the meta region (q6_K: 2).
+    # Bits of each weight above the four in qs, kept in the meta region (q5_K: 1, q6_K: 2).
     high_bits: int = 0
     # Meta bytes per kernel block where the split gives each kernel block meta of its own
     # (q6_K: its high bits, two scales and a copy of d); 0: the GGUF block's bytes outside
@@ -106,6 +106,12 @@ QUANT_TYPES: dict[str, QuantType] = {
         # super-block of 256: d, dmin (f16), 12 bytes of eight 6-bit (scale, min) pairs,
         # 128 bytes of nibbles; sub-block i: w = d * sc_i * q - dmin * m_i
         QuantType("q4_K", gguf.GGMLQuantizationType.Q4_K, 256, 144, 16, 16, paired_nibbles=True),
+        # q4_K's super-block with a fifth bit a weight: d, dmin, the 12 scale bytes, 32 bytes
+        # of high bits (bit i of byte l: value l of sub-block i), 128 bytes of nibbles; the
+        # split keeps the super-block's 16 scale bytes and gives each kernel block one word
+        # of its high bits (quant_q5_K.cuh.j2): 48 meta bytes a super-block, the file's 5.5
+        # bits a weight.
+        QuantType("q5_K", gguf.GGMLQuantizationType.Q5_K, 256, 176, 48, 16, paired_nibbles=True, high_bits=1),
         # super-block of 256: 128 bytes of low nibbles (ql), 64 of 2-bit high parts (qh),
         # sixteen int8 scales (one a 16 weights), d (f16); w = d * sc * (q - 32). The split
         # gives each kernel block 12 meta bytes: its high bits, its two scales, d

@@ -6,7 +6,7 @@ import os
 import sys
 
 # synth.TYPES, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
-SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q6_K", "f16", "f32")
+SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "f16", "f32")
 
 
 def _ints(text: str) -> list[int]:
@@ -99,10 +99,10 @@ def add_commands(sub) -> None:
     s.add_argument("--preset", default="qwen3-30b-a3b", help="qwen3-30b-a3b, qwen3-235b-a22b, tiny or tiny-k "
                    "(tiny with rows of whole K-quant super-blocks)")
     s.add_argument("--type", default="q4_0", choices=SYNTH_TYPES,
-                   help="type of every matrix, or q4_K_M: llama.cpp's mix (q4_K; q6_K for the head, and "
-                        "attn_v and ffn_down in half the layers)")
-    s.add_argument("--embd-type", default=None, help="type of token_embd (default: --type; also q6_K)")
-    s.add_argument("--output-type", default=None, help="type of the output head (default: --type; also q6_K)")
+                   help="type of every matrix, or q4_K_M / q5_K_M: llama.cpp's mixes (q4_K or q5_K; q6_K "
+                        "for the head, and attn_v and ffn_down in half the layers)")
+    s.add_argument("--embd-type", default=None, help="type of token_embd (default: --type)")
+    s.add_argument("--output-type", default=None, help="type of the output head (default: --type)")
     s.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     s.add_argument("--skewed-router", action="store_true", help="a few hot experts take most tokens")
     s.add_argument("--merged-gate-up", action="store_true",

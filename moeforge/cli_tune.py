@@ -36,18 +36,22 @@ def _standin_fingerprint() -> dict:
 def _keys(args, ops=("mul_mat_id",)) -> list:
     """TuneKeys from --model/--shape/--types/--n; ValueError with a user message."""
     from .codegen.quant import parse_types
-    from .tuning.shapes import DEFAULT_SET, NAMED, model_shapes, parse_shape
+    from .tuning.shapes import DEFAULT_SET, NAMED, model_products, parse_shape
     from .tuning.space import ANCHOR_N, BUCKETS, TuneKey
     types = None
+    products = None                      # (shape, type) pairs of a model's expert products
     if getattr(args, "model", None) and "mul_mat_id" not in ops:
         shapes = []                      # dense products: their shapes come from the model below
     elif getattr(args, "model", None):
-        shapes, model_types = model_shapes(args.model)
         from .codegen.quant import QUANT_TYPES
-        types = [t for t in model_types if t in QUANT_TYPES]
-        if not types and not args.types:
+        found = model_products(args.model)
+        asked = {q.name for q in parse_types(args.types)} if args.types else set(QUANT_TYPES)
+        products = [(s, q) for s, q in found if q in asked]
+        if not products:
+            model_types = sorted({q for _, q in found})
             raise ValueError(f"{args.model}: its expert tensors are {', '.join(model_types) or 'absent'}; "
-                             f"moeforge tunes {', '.join(QUANT_TYPES)} (pass --types to tune those anyway)")
+                             f"moeforge tunes {', '.join(sorted(asked))} here")
+        shapes = []
     elif getattr(args, "shape", None):
         shapes = [parse_shape(s) for s in args.shape]
     else:
@@ -75,6 +79,9 @@ def _keys(args, ops=("mul_mat_id",)) -> list:
                 raise ValueError(f"{args.model}: no dense quantized product of the tuned types "
                                  f"({', '.join(types)}) in its first layer or output head")
             keys += [TuneKey(op, q, (1, 1, m, k), n) for m, k, q in dense for n in ns]
+            continue
+        if products is not None:
+            keys += [TuneKey(op, q, s, n) for s, q in products for n in ns]
             continue
         for q in types:
             for s in shapes:
@@ -245,7 +252,8 @@ def _common(p, budget_default=None) -> None:
 def add_commands(sub) -> None:
     t = sub.add_parser("tune", help="tune kernels for this GPU and write its profile (needs a GPU)")
     src = t.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="a GGUF MoE model: its expert shapes and quant types")
+    src.add_argument("--model", default=None, help="a GGUF MoE model: the expert products it runs (gate/up merged, down), "
+                     "each in its tensors' types")
     src.add_argument("--shape", action="append", default=None,
                      help="qwen3-30b-a3b, deepseek-v2-lite, gpt-oss-20b or E,top_k,m,k (repeatable; "
                           "default: those three)")

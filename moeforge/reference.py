@@ -63,11 +63,15 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
     if q.name == "q8_0":
         ints = blocks[:, :, 2:34].view(np.int8).astype(np.int32)
         return ints.reshape(rows, k), d, np.zeros_like(d)
-    if q.name == "q4_K":
+    if q.name in ("q4_K", "q5_K"):
         dmin = blocks[:, :, 2:4].copy().view(np.float16).reshape(rows, nsb).astype(np.float32)
         sc, mn = q4_k_scales(blocks[:, :, 4:16])
-        c = blocks[:, :, 16:144].reshape(rows, nsb, 4, 32)
+        c = blocks[:, :, q.qs_offset:].reshape(rows, nsb, 4, 32)
         ints = np.stack([c & 0x0F, c >> 4], axis=3).astype(np.int32)    # sub-blocks 2i, 2i+1
+        if q.high_bits:   # q5_K: bit i of byte l is value l's fifth bit in sub-block i
+            qh = blocks[:, :, 16:48]
+            fifth = np.stack([(qh >> i) & 1 for i in range(8)], axis=2).reshape(ints.shape)
+            ints |= fifth.astype(np.int32) << 4
         mul = (d[..., None] * sc).astype(np.float32)                     # exact: 11 x 6 bits
         add = (-(dmin[..., None] * mn)).astype(np.float32)
         return ints.reshape(rows, k), mul.reshape(rows, nb), add.reshape(rows, nb)
@@ -183,12 +187,14 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     q = _q(qtype)
     nb = k // q.block_values
     blocks = rng.integers(0, 256, size=(rows, nb, q.block_bytes), dtype=np.uint8)
-    # the f16 scales: q4_K's d, then dmin, at the block's start; q6_K's d at its end
-    where = {"q4_K": (0, 2), "q6_K": (208,)}.get(q.name, (0,))
+    # the f16 scales: q4_K's and q5_K's d, then dmin, at the block's start; q6_K's d at its end
+    where = {"q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,)}.get(q.name, (0,))
     for at in where:
         d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb)))
         if q.name == "q4_K":
             d /= 32   # times 6-bit sub-block scales and mins: weights of the same size
+        if q.name == "q5_K":
+            d /= 64   # the same, with quants up to 31
         if q.name == "q6_K":
             d /= 256  # times int8 scales and q - 32: weights of the same size
         blocks[:, :, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)

@@ -23,13 +23,16 @@ from .runtime.convert import block_size, row_bytes
 from .synth_vocab import add_tokenizer
 
 ARCH = "qwen3moe"
-# q4_K_M: llama.cpp's mix of that name (q4_K, with q6_K where it gives more bits: see
-# tensor_plan); q6_K also for every matrix, or as --output-type/--embd-type (llama.cpp's
-# Q4_0 files keep a q6_K head)
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M", "q6_K")
-TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q6_K")
-# llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K is closest to Q4_K_S (14)
-FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14, "q4_K_M": 15, "q6_K": 18}
+# q4_K_M, q5_K_M: llama.cpp's mixes of those names (q4_K or q5_K, with q6_K where they give
+# more bits: see tensor_plan); q6_K also for every matrix, or as --output-type/--embd-type
+# (llama.cpp's Q4_0 files keep a q6_K head)
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K")
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K")
+# the base type of each mix
+MIXES = {"q4_K_M": "q4_K", "q5_K_M": "q5_K"}
+# llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K (q5_K) is closest to Q4_K_S (Q5_K_S)
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17,
+             "q6_K": 18}
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,9 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
                 tied_output=False):
     """[(name, numpy-order shape, type)] in the order llama.cpp's converter writes them."""
     d, E, ff = s.n_embd, s.n_expert, s.n_ff_exp
-    mix = qtype == "q4_K_M"
-    if mix:   # Q4_K_M: q6_K head, attn_v and ffn_down in more_bits layers, q4_K elsewhere
-        qtype, output_type = "q4_K", output_type or "q6_K"
+    mix = qtype in MIXES
+    if mix:   # Q4_K_M, Q5_K_M: q6_K head, attn_v and ffn_down in more_bits layers, the base type elsewhere
+        qtype, output_type = MIXES[qtype], output_type or "q6_K"
     plan = [("token_embd.weight", (s.n_vocab, d), embd_type or qtype)]
     for i in range(s.n_layer):
         b = f"blk.{i}."
@@ -159,6 +162,9 @@ class _Weights:
             b[:, 2] = 127
         elif t == "q4_K":   # value 0 of sub-blocks 2i and 2i+1: the two nibbles of byte 32i
             b[:, 16::32] = 0xFF
+        elif t == "q5_K":   # the same nibbles, and byte 0 of the fifth bits (value 0 of each sub-block)
+            b[:, 48::32] = 0xFF
+            b[:, 16] = 0xFF
         elif t == "q6_K":   # value 0 of block 4n+p: both nibbles of ql[64n + 32(p & 1)], qh[32n]
             b[:, 0:128:32] = 0xFF
             b[:, 128:192:32] = 0xFF

@@ -172,7 +172,7 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""
     hp = read_hparams(f)
     check_tensors(f, expected_tensors(hp, f))
-    # types without kernels (q5_K, ...) load as q8_0; check_tensors allowed only those, ours
+    # types without kernels (q3_K, ...) load as q8_0; check_tensors allowed only those, ours
     # and floats (Expect.types), checked as the file has them
     convert = converted_types()
     T = {name: converted(ref) if ref.qtype in convert else ref for name, ref in f.tensors.items()}

@@ -1,11 +1,12 @@
 """Float weights -> GGUF blocks: gguf's reference quantizers where it has one, our own for
-the K-quants it lacks (gguf-py dequantizes q4_K but cannot quantize it).
+the K-quants it lacks (gguf-py dequantizes q4_K and q5_K but cannot quantize them).
 
-The q4_K quantizer is a plain one, not ggml's (which searches each sub-block's scale and min
-to minimise the error): per 32-weight sub-block the range [min(0, lo), hi] is spread over the
-16 levels, and the super-block's d and dmin are the largest sub-block scale and offset over
-63, so that every 6-bit scale and min fits. Any valid blocks serve moeforge's purposes (test
-weights, synthetic models, `QuantTensor.from_float`); the files it writes are ordinary q4_K.
+The q4_K and q5_K quantizers are plain ones, not ggml's (which searches each sub-block's
+scale and min to minimise the error): per 32-weight sub-block the range [min(0, lo), hi] is
+spread over the 16 (32) levels, and the super-block's d and dmin are the largest sub-block
+scale and offset over 63, so that every 6-bit scale and min fits. Any valid blocks serve
+moeforge's purposes (test weights, synthetic models, `QuantTensor.from_float`); the files
+they write are ordinary q4_K and q5_K.
 """
 from __future__ import annotations
 
@@ -21,17 +22,43 @@ def quantize(x: np.ndarray, q: QuantType) -> np.ndarray:
     q.blocks_per_row(x.shape[-1])            # k a multiple of the block size, or a clear error
     if q.name == "q4_K":
         return quantize_q4_k(x)
+    if q.name == "q5_K":
+        return quantize_q5_k(x)
     from gguf import quants
     return quants.quantize(x, q.ggml_type)
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    qv, head = _scale_min_quants(x, 15)
+    rows, nsb = head.shape[:2]
+    pairs = qv.reshape(rows, nsb, 4, 2, 32)                     # sub-blocks 2i (low), 2i+1 (high)
+    nibbles = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, nsb, 128)
+    return np.concatenate([head, nibbles], axis=-1).reshape(rows, nsb * 144)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """q4_K's plain quantizer over 32 levels: the fifth bit of value l of sub-block i is bit i
+    of high byte l, the low four bits are q4_K's nibbles."""
+    qv, head = _scale_min_quants(x, 31)
+    rows, nsb = head.shape[:2]
+    fifth = (qv >> 4).astype(np.uint8)                          # (rows, nsb, 8, 32)
+    qh = np.zeros((rows, nsb, 32), dtype=np.uint8)
+    for i in range(8):
+        qh |= fifth[:, :, i, :] << i
+    pairs = (qv & 15).reshape(rows, nsb, 4, 2, 32)
+    nibbles = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, nsb, 128)
+    return np.concatenate([head, qh, nibbles], axis=-1).reshape(rows, nsb * 176)
+
+
+def _scale_min_quants(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Float rows (rows, k) -> (quants 0..levels (rows, nsb, 8, 32) uint8, each super-block's
+    d, dmin and 12 scale bytes (rows, nsb, 16)): the module doc's plain quantizer."""
     rows, k = x.shape
     nsb = k // 256
     sub = x.reshape(rows, nsb, 8, 32).astype(np.float64)
     lo = np.minimum(sub.min(axis=-1), 0.0)
     hi = sub.max(axis=-1)
-    scale, offset = (hi - lo) / 15.0, -lo                       # (rows, nsb, 8), both >= 0
+    scale, offset = (hi - lo) / float(levels), -lo              # (rows, nsb, 8), both >= 0
     d = (scale.max(axis=-1) / 63.0).astype(np.float16)
     dmin = (offset.max(axis=-1) / 63.0).astype(np.float16)
     d64, dmin64 = d.astype(np.float64)[..., None], dmin.astype(np.float64)[..., None]
@@ -40,14 +67,12 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
         mn = np.where(dmin64 > 0, np.rint(offset / dmin64), 0).clip(0, 63).astype(np.uint8)
         step = (d64 * sc)[..., None]
         qv = np.where(step > 0, np.rint((sub + (dmin64 * mn)[..., None]) / step), 0)
-    qv = qv.clip(0, 15).astype(np.uint8)                        # (rows, nsb, 8, 32)
-    out = np.empty((rows, nsb, 144), dtype=np.uint8)
-    out[..., 0:2] = d.view(np.uint8).reshape(rows, nsb, 2)
-    out[..., 2:4] = dmin.view(np.uint8).reshape(rows, nsb, 2)
-    out[..., 4:16] = pack_q4_k_scales(sc, mn)
-    pairs = qv.reshape(rows, nsb, 4, 2, 32)                     # sub-blocks 2i (low), 2i+1 (high)
-    out[..., 16:] = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, nsb, 128)
-    return out.reshape(rows, nsb * 144)
+    qv = qv.clip(0, levels).astype(np.uint8)                    # (rows, nsb, 8, 32)
+    head = np.empty((rows, nsb, 16), dtype=np.uint8)
+    head[..., 0:2] = d.view(np.uint8).reshape(rows, nsb, 2)
+    head[..., 2:4] = dmin.view(np.uint8).reshape(rows, nsb, 2)
+    head[..., 4:16] = pack_q4_k_scales(sc, mn)
+    return qv, head
 
 
 def pack_q4_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:

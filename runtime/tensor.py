@@ -25,13 +25,15 @@ def split_blocks(raw, q: QuantType, rows: int, k: int):
     nsb = nb // q.sub_blocks
     span = q.qs_bytes * q.sub_blocks
     blocks = xp.ascontiguousarray(raw).reshape(rows, nsb, q.block_bytes)
-    if q.high_bits:
+    if q.own_meta_bytes:
         qs, own = _split_q6_k(blocks, xp)
     else:
         qs = blocks[:, :, q.qs_offset:q.qs_offset + span]
         if q.paired_nibbles:
             qs = _unpair_nibbles(qs, xp)
         own = xp.concatenate([blocks[:, :, :q.qs_offset], blocks[:, :, q.qs_offset + span:]], axis=2)
+        if q.high_bits:
+            own = xp.concatenate([own[..., :16], _q5_k_high_words(own[..., 16:48], xp)], axis=-1)
     meta = xp.zeros((rows, q.meta_stride(k)), dtype=xp.uint8)
     meta[:, :nb * q.meta_bytes] = own.reshape(rows, nb * q.meta_bytes)
     return xp.ascontiguousarray(qs).reshape(rows, nb * q.qs_bytes), meta
@@ -49,13 +51,15 @@ def join_blocks(qs: np.ndarray, meta: np.ndarray, q: QuantType, rows: int, k: in
     """The inverse of split_blocks: GGUF block bytes, (rows, row_bytes)."""
     nb = q.blocks_per_row(k)
     nsb = nb // q.sub_blocks
-    if q.high_bits:
+    if q.own_meta_bytes:
         own = meta[:, :nb * q.meta_bytes].reshape(rows, nsb, q.sub_blocks, q.meta_bytes)
         return _join_q6_k(qs.reshape(rows, nsb, q.sub_blocks, q.qs_bytes), own).reshape(rows, nsb * q.block_bytes)
     qs = qs.reshape(rows, nsb, q.qs_bytes * q.sub_blocks)
     if q.paired_nibbles:
         qs = _pair_nibbles(qs)
     m = meta[:, :nb * q.meta_bytes].reshape(rows, nsb, q.meta_bytes * q.sub_blocks)
+    if q.high_bits:
+        m = np.concatenate([m[..., :16], _q5_k_high_bytes(m[..., 16:48])], axis=-1)
     head, tail = m[:, :, :q.qs_offset], m[:, :, q.qs_offset:]
     return np.concatenate([head, qs, tail], axis=2).reshape(rows, nsb * q.block_bytes)
 
@@ -75,6 +79,33 @@ def _pair_nibbles(qs: np.ndarray) -> np.ndarray:
     vals = np.concatenate([b & 0x0F, b >> 4], axis=-1)         # (.., pairs, 2, 32 values)
     out = vals[..., 0, :] | (vals[..., 1, :] << 4)
     return out.reshape(qs.shape)
+
+
+def _q5_k_high_words(qh, xp=np):
+    """A q5_K super-block's 32 high-bit bytes (bit i of byte l: value l of sub-block i) ->
+    one word a sub-block (.., 8 x 4 bytes) for its quants in q4_0's order: byte b, bit w
+    (w < 4) is value 4w + b's high bit, bit 4 + w value 16 + 4w + b's, so that a shift and a
+    mask put the fifth bit under the nibbles of word w (quant_q5_K.cuh.j2)."""
+    lead = qh.shape[:-1]
+    sub = xp.arange(8, dtype=xp.uint8).reshape(8, 1)
+    bits = ((qh[..., None, :] >> sub) & 1).reshape(*lead, 8, 2, 4, 4)     # (sub, half, w, b)
+    words = xp.zeros((*lead, 8, 4), dtype=xp.uint8)
+    for half in range(2):
+        for w in range(4):
+            words |= bits[..., half, w, :] << (w + 4 * half)
+    return words.reshape(*lead, 32)
+
+
+def _q5_k_high_bytes(words: np.ndarray) -> np.ndarray:
+    """The inverse of _q5_k_high_words."""
+    lead = words.shape[:-1]
+    wb = words.reshape(*lead, 8, 1, 1, 4)                                  # (sub, ., ., b)
+    shifts = (np.arange(4).reshape(1, 4, 1) + 4 * np.arange(2).reshape(2, 1, 1)).astype(np.uint8)
+    bits = ((wb >> shifts) & 1).reshape(*lead, 8, 32)                      # (sub, value)
+    qh = np.zeros((*lead, 32), dtype=np.uint8)
+    for sub in range(8):
+        qh |= bits[..., sub, :] << sub
+    return qh
 
 
 def _split_q6_k(blocks, xp=np):

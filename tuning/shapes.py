@@ -33,9 +33,11 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return vals
 
 
-def model_shapes(path: str | Path) -> tuple[list[tuple[int, int, int, int]], list[str]]:
-    """The expert products of a GGUF model: gate/up (m = expert FFN length, k = embedding)
-    and down (the transpose), and the quant types of its expert tensors."""
+def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], str]]:
+    """The expert products a GGUF MoE model runs, as (E, top_k, m, k) and quant type: gate
+    and up as one product of 2 x the expert FFN length (the runtime merges them as it loads,
+    and ffn_gate_up_exps is that already), and down (m = embedding, k = expert FFN length),
+    each in every type its tensors come in (a K_M mix keeps some down tensors in q6_K)."""
     import gguf
     reader = gguf.GGUFReader(str(path))
 
@@ -56,11 +58,13 @@ def model_shapes(path: str | Path) -> tuple[list[tuple[int, int, int, int]], lis
         vals[k] = int(v)
     E, top_k = vals["expert_count"], vals["expert_used_count"]
     ff, embd = vals["expert_feed_forward_length"], vals["embedding_length"]
-    shapes = [(E, top_k, ff, embd)]
-    if (E, top_k, embd, ff) not in shapes:
-        shapes.append((E, top_k, embd, ff))
-    types = sorted({type_name(t.tensor_type) for t in reader.tensors if "_exps" in t.name})
-    return shapes, types
+    found = []
+    for t in reader.tensors:
+        if "_exps" not in t.name:
+            continue
+        shape = (E, top_k, embd, ff) if "ffn_down" in t.name else (E, top_k, 2 * ff, embd)
+        found.append((shape, type_name(t.tensor_type)))
+    return sorted(dict.fromkeys(found))
 
 
 def model_dense_shapes(path: str | Path) -> list[tuple[int, int, str]]:

@@ -85,25 +85,30 @@ def _gguf(path, arch="qwen3moe", E=8, top_k=2, ff=64, embd=256, moe=True):
         w.add_expert_used_count(top_k)
         w.add_expert_feed_forward_length(ff)
     w.add_embedding_length(embd)
-    raw = quants.quantize(np.ones((E * ff, embd), np.float32), gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("blk.0.ffn_gate_exps.weight", raw.reshape(E, ff, -1), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    Q8, Q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+    for name in ("gate", "up"):
+        raw = quants.quantize(np.ones((E * ff, embd), np.float32), Q8)
+        w.add_tensor(f"blk.0.ffn_{name}_exps.weight", raw.reshape(E, ff, -1), raw_dtype=Q8)
+    for i, q in enumerate((Q8, Q4)):   # a mix: the down product in two types
+        raw = quants.quantize(np.ones((E * embd, ff), np.float32), q)
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", raw.reshape(E, embd, -1), raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def test_shapes_from_a_gguf_model(tmp_path):
-    from moeforge.tuning.shapes import model_shapes
+def test_products_from_a_gguf_model(tmp_path):
+    """The products the runtime runs: gate and up merged (2 x 96 rows), down in each type
+    its tensors come in."""
+    from moeforge.tuning.shapes import model_products
     f = tmp_path / "m.gguf"
     _gguf(f, E=16, top_k=4, ff=96, embd=320)
-    shapes, types = model_shapes(f)
-    assert shapes == [(16, 4, 96, 320), (16, 4, 320, 96)]   # gate/up, then down
-    assert types == ["q8_0"]
+    assert model_products(f) == [((16, 4, 192, 320), "q8_0"), ((16, 4, 320, 96), "q4_0"), ((16, 4, 320, 96), "q8_0")]
     dense = tmp_path / "d.gguf"
     _gguf(dense, arch="llama", moe=False)
     with pytest.raises(ValueError, match="expert_count is missing"):
-        model_shapes(dense)
+        model_products(dense)
 
 
 def test_tune_model_uses_its_shapes_and_types(capsys, monkeypatch, tmp_path):
@@ -114,8 +119,13 @@ def test_tune_model_uses_its_shapes_and_types(capsys, monkeypatch, tmp_path):
                "--profile-dir", str(tmp_path / "prof"), "--quiet"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "mul_mat_id q8_0 E,top_k,m,k=16,4,96,320" in out
-    assert "mul_mat_id q8_0 E,top_k,m,k=16,4,320,96" in out
+    assert "mul_mat_id q8_0 E,top_k,m,k=16,4,192,320" in out
+    assert "mul_mat_id q8_0 E,top_k,m,k=16,4,320,96" in out and "mul_mat_id q4_0 E,top_k,m,k=16,4,320,96" in out
+    assert "mul_mat_id q4_0 E,top_k,m,k=16,4,192,320" not in out    # no gate/up product in q4_0
+    rc = main(["tune", "--objective", "standin", "--model", str(f), "--types", "q4_0", "--n", "64", "--trials", "2",
+               "--profile-dir", str(tmp_path / "prof"), "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "mul_mat_id q4_0 E,top_k,m,k=16,4,320,96" in out and "q8_0 E" not in out
 
 
 # -- profile commands ---------------------------------------------------------------------

@@ -88,27 +88,28 @@ def test_every_listed_type_converts(rng, name):
     assert out.shape == (3, k // 32 * 34)
 
 
-def test_a_q4_k_m_file_loads_its_q6_k_tensors_as_they_are_or_as_q8_0_on_request(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mix, base", [("q4_K_M", "q4_K"), ("q5_K_M", "q5_K")])
+def test_a_k_m_file_loads_its_tensors_as_they_are_or_as_q8_0_on_request(tmp_path, monkeypatch, mix, base):
     from moeforge.runtime.arch_qwen3moe import open_model
     from moeforge.runtime.gguf_file import GGUFFile
     from moeforge.runtime.model import load_model
     from moeforge.synth import preset, tensor_plan, write_qwen3moe
     path = str(tmp_path / "m.gguf")
-    write_qwen3moe(path, preset("tiny-k"), "q4_K_M", seed=3)
+    write_qwen3moe(path, preset("tiny-k"), mix, seed=3)
     f = GGUFFile(path)
     q6 = sorted(n for n, t in f.tensors.items() if t.qtype == "q6_K")
-    # llama.cpp's Q4_K_M on two layers: layer 1 (the last eighth) gets the extra bits
+    # llama.cpp's K_M mixes on two layers: layer 1 (the last eighth) gets the extra bits
     assert q6 == ["blk.1.attn_v.weight", "blk.1.ffn_down_exps.weight", "output.weight"]
-    assert {t for _, _, t in tensor_plan(preset("tiny-k"), "q4_K_M")} == {"f32", "q4_K", "q6_K"}
+    assert {t for _, _, t in tensor_plan(preset("tiny-k"), mix)} == {"f32", base, "q6_K"}
     refs = open_model(f)
-    assert refs.output.qtype == "q6_K" and refs.layers[1].wv.qtype == "q6_K" and refs.layers[0].wv.qtype == "q4_K"
+    assert refs.output.qtype == "q6_K" and refs.layers[1].wv.qtype == "q6_K" and refs.layers[0].wv.qtype == base
     assert convert.note(f) is None
     m = load_model(path, backend="numpy")
     native = m.logits([1, 2, 3])
     # MOEFORGE_CONVERT=q6_K: the kernels' q8_0 in its place (to compare), said as it loads
     monkeypatch.setenv("MOEFORGE_CONVERT", "q6_K")
     refs = open_model(f)
-    assert refs.output.qtype == "q8_0" and refs.layers[1].wv.qtype == "q8_0" and refs.layers[0].wv.qtype == "q4_K"
+    assert refs.output.qtype == "q8_0" and refs.layers[1].wv.qtype == "q8_0" and refs.layers[0].wv.qtype == base
     want = _dequantize(f.tensors["output.weight"].load(), "q6_K", 256)
     got = _dequantize(refs.output.load(), "q8_0", 256)
     assert np.abs(got - want).max() <= np.abs(want).max() / 127     # half a step, with room for f16's d
@@ -121,6 +122,13 @@ def test_a_q4_k_m_file_loads_its_q6_k_tensors_as_they_are_or_as_q8_0_on_request(
     converted = m.logits([1, 2, 3])
     assert np.isfinite(converted).all() and np.isfinite(native).all()
     assert 0 < np.abs(converted - native).max() < 0.05 * np.abs(native).max()
+    if base == "q5_K":   # q5_K converts on request too
+        monkeypatch.setenv("MOEFORGE_CONVERT", "q5_K,q6_K")
+        refs = open_model(f)
+        assert refs.layers[0].wv.qtype == refs.layers[0].down.qtype == refs.output.qtype == "q8_0"
+        want = _dequantize(f.tensors["blk.0.attn_v.weight"].load(), "q5_K", 256)
+        got = _dequantize(refs.layers[0].wv.load(), "q8_0", 256)
+        assert np.abs(got - want).max() <= np.abs(want).max() / 127
     monkeypatch.setenv("MOEFORGE_CONVERT", "q4_K")
     with pytest.raises(ValueError, match="MOEFORGE_CONVERT: q4_K cannot be converted"):
         open_model(f)

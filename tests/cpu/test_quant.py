@@ -67,6 +67,36 @@ def test_q6_k_split_layout_is_what_the_kernels_read(rng):
     assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
 
 
+def test_q5_k_split_layout_is_what_the_kernels_read(rng):
+    """The q5_K kernels' reading of the split bytes (quant_q5_K.cuh.j2, get_rows_q5_K): block
+    b's nibbles in q4_0's order; its super-block's 48 meta bytes at 6 * (b & ~7), the 16
+    scale bytes of q4_K and then a word of fifth bits a block, which the kernels' shift and
+    mask put under nibble word w (bit w of byte j for the low nibbles, bit 4 + w for the
+    high ones); (d * sc) * q - dmin * m is gguf's dequantization bit for bit."""
+    q = quant_type("q5_K")
+    rows, k = 5, 768
+    raw = ref.random_blocks("q5_K", rows, k, rng)
+    qs, meta = split_blocks(raw, q, rows, k)
+    nb = k // 32
+    words = qs.reshape(rows, nb, 16).copy().view(np.uint32).astype(np.uint64)      # (rows, nb, w)
+    sb = meta[:, :nb * 6].reshape(rows, nb // 8, 48)
+    high = sb[..., 16:].copy().view(np.uint32).reshape(rows, nb, 1).astype(np.uint64)
+    w_idx = np.arange(4, dtype=np.uint64)
+    lo = (words & 0x0F0F0F0F) | ((high << (4 - w_idx)) & 0x10101010)
+    hi = ((words >> 4) & 0x0F0F0F0F) | ((high >> w_idx) & 0x10101010)
+    as_bytes = lambda v: v.astype(np.uint32).view(np.uint8).reshape(rows, nb, 16)  # noqa: E731
+    v = np.concatenate([as_bytes(lo), as_bytes(hi)], axis=-1).astype(np.float32)    # values 0..31
+    assert v.max() == 31
+    sc, mn = ref.q4_k_scales(sb[..., 4:16])                                         # (rows, nsb, 8)
+    d = sb[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = sb[..., 2:4].copy().view(np.float16).astype(np.float32)
+    mul = (d * sc).reshape(rows, nb, 1)
+    off = (dmin * mn).reshape(rows, nb, 1)
+    w = (mul * v - off).reshape(rows, k)
+    want = ref.dequantize(raw, "q5_K", (rows, k))
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
+
+
 def test_bad_k_and_unknown_type_are_named():
     with pytest.raises(ValueError, match="k=100"):
         quant_type("q4_0").blocks_per_row(100)
@@ -124,12 +154,14 @@ def test_q4_k_scales_unpack_like_ggml():
     assert sc.tolist() == want_sc and mn.tolist() == want_mn
 
 
-def test_q4_k_quantizer_writes_valid_close_blocks(rng):
-    """moeforge's own q4_K quantizer (gguf-py has none): gguf dequantizes its blocks to within
-    4-bit rounding of the input, its 6-bit scale packing is the one reference.q4_k_scales
-    (and ggml) reads, all-zero and one-signed rows are fine, and it is deterministic."""
+@pytest.mark.parametrize("name, bar", [("q4_K", 0.12), ("q5_K", 0.06)])
+def test_k_quantizers_write_valid_close_blocks(rng, name, bar):
+    """moeforge's own q4_K and q5_K quantizers (gguf-py has none): gguf dequantizes their
+    blocks to within 4-bit (5-bit) rounding of the input, the 6-bit scale packing is the one
+    reference.q4_k_scales (and ggml) reads, all-zero and one-signed rows are fine, and they
+    are deterministic."""
     from moeforge.runtime.quantize import pack_q4_k_scales, quantize
-    q = quant_type("q4_K")
+    q = quant_type(name)
     x = (rng.standard_normal((9, 768)) * rng.uniform(0.01, 3.0, size=(9, 1))).astype(np.float32)
     x[1] = 0.0
     x[2] = np.abs(x[2])
@@ -140,7 +172,7 @@ def test_q4_k_quantizer_writes_valid_close_blocks(rng):
     assert np.isfinite(w).all() and not w[1].any()
     for row in (0, 2, 3, 4, 8):
         err = np.sqrt(((w[row] - x[row]) ** 2).mean() / (x[row] ** 2).mean())
-        assert err < 0.12, (row, err)
+        assert err < bar, (row, err)
     sc, mn = rng.integers(0, 64, size=(2, 7, 8))
     got_sc, got_mn = ref.q4_k_scales(pack_q4_k_scales(sc, mn))
     assert np.array_equal(got_sc, sc) and np.array_equal(got_mn, mn)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from moeforge import reference as ref
-from moeforge.codegen.quant import quant_type
+from moeforge.codegen.quant import QUANT_TYPES, quant_type
 
 
 def test_q8_1_rounds_like_c_roundf():
@@ -97,7 +97,7 @@ def test_q6_k_emulation_matches_brute_force_integer_dot(rng):
     np.testing.assert_allclose(w, d * ints, rtol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q6_K"])
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 def test_emulation_is_close_to_float(rng, qtype):
     E, m, k, n, top_k = 8, 40, 512, 17, 3
     raw = ref.random_blocks(qtype, E * m, k, rng)
@@ -109,7 +109,7 @@ def test_emulation_is_close_to_float(rng, qtype):
 
 
 def test_random_blocks_are_valid_and_finite(rng):
-    for qtype in ("q4_0", "q8_0", "q4_K", "q6_K"):
+    for qtype in QUANT_TYPES:
         w = ref.dequantize(ref.random_blocks(qtype, 16, 256, rng), qtype, (16, 256))
         assert np.isfinite(w).all() and np.abs(w).max() > 0
 

@@ -87,18 +87,21 @@ def test_float_source_is_deterministic(tmp_path):
 
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="synth writes"):
-        write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q5_K")
+        write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q3_K")
+    with pytest.raises(ValueError, match="not whole q5_K blocks"):
+        write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q5_K_M")
     with pytest.raises(ValueError, match="unknown preset"):
         preset("llama-7b")
 
 
-def test_k_quant_model_kernel_numerics_close_to_float(tmp_path):
-    """A model whose every matrix is q4_K on the numpy backend: the emulation of the
-    kernels (q8_1 activations, integer block dots, the q4_K scale formula) stays close to
-    float64 on gguf's dequantized weights, as it does for q4_0."""
+@pytest.mark.parametrize("qtype", ["q4_K", "q5_K_M"])
+def test_k_quant_model_kernel_numerics_close_to_float(tmp_path, qtype):
+    """A model whose every matrix is q4_K (q5_K with q6_K in places) on the numpy backend:
+    the emulation of the kernels (q8_1 activations, integer block dots, the K-quant scale
+    formulas) stays close to float64 on gguf's dequantized weights, as it does for q4_0."""
     from conftest import kl_per_token
     path = str(tmp_path / "k.gguf")
-    write_qwen3moe(path, preset("tiny-k"), "q4_K", seed=int(np.random.SeedSequence().entropy % 2**31))
+    write_qwen3moe(path, preset("tiny-k"), qtype, seed=int(np.random.SeedSequence().entropy % 2**31))
     toks = np.random.default_rng().integers(0, 512, size=24)
     flt = load_model(path, backend="numpy", numerics="float").logits(toks)
     emu = load_model(path, backend="numpy", numerics="kernel").logits(toks)
@@ -109,11 +112,11 @@ def test_k_quant_model_kernel_numerics_close_to_float(tmp_path):
 
 
 def test_float_source_writes_k_quants_of_the_same_model(tmp_path):
-    """With float weights, the q4_K file is one more version of the f32 model (moeforge's
-    own q4_K quantizer): deterministic, and its logits as close to the f32 file's as the
-    q4_0 file's are."""
+    """With float weights, the q4_K and q5_K files are more versions of the f32 model
+    (moeforge's own K-quant quantizers): deterministic, and their logits as close to the
+    f32 file's as the q4_0 file's are (q5_K's closer than q4_K's)."""
     from conftest import kl_per_token
-    paths = {t: str(tmp_path / f"{t}.gguf") for t in ("f32", "q4_0", "q4_K")}
+    paths = {t: str(tmp_path / f"{t}.gguf") for t in ("f32", "q4_0", "q4_K", "q5_K")}
     for t, p in paths.items():
         write_qwen3moe(p, preset("tiny-k"), t, source="float", seed=11)
     again = str(tmp_path / "again.gguf")
@@ -121,6 +124,6 @@ def test_float_source_writes_k_quants_of_the_same_model(tmp_path):
     assert open(again, "rb").read() == open(paths["q4_K"], "rb").read()
     toks = np.arange(1, 33) * 13 % 512
     lg = {t: load_model(p, backend="numpy").logits(toks) for t, p in paths.items()}
-    kl_k, kl_0 = (kl_per_token(lg["f32"], lg[t]).mean() for t in ("q4_K", "q4_0"))
-    print(f"mean KL to f32: q4_K {kl_k:.2e}, q4_0 {kl_0:.2e}")
-    assert 0 < kl_k < 2 * kl_0
+    kl_k, kl_0, kl_5 = (kl_per_token(lg["f32"], lg[t]).mean() for t in ("q4_K", "q4_0", "q5_K"))
+    print(f"mean KL to f32: q4_K {kl_k:.2e}, q4_0 {kl_0:.2e}, q5_K {kl_5:.2e}")
+    assert 0 < kl_k < 2 * kl_0 and 0 < kl_5 < kl_k

@@ -3,13 +3,14 @@ import numpy as np
 import pytest
 
 from moeforge import reference as ref
+from moeforge.codegen.quant import quant_type
 
 pytestmark = pytest.mark.gpu
 
 NMSE_FLOAT = 5e-4
 NMSE_EMULATED = 1e-10
 SHAPES = [(8, 1, 40, 96), (32, 4, 200, 288), (128, 8, 72, 256), (16, 2, 33, 160), (64, 8, 96, 512)]
-SHAPES_K = [(8, 1, 40, 256), (32, 4, 201, 512), (128, 8, 72, 768)]   # q4_K: rows of whole super-blocks
+SHAPES_K = [(8, 1, 40, 256), (32, 4, 201, 512), (128, 8, 72, 768)]   # K-quants: rows of whole super-blocks
 
 
 def _weights(rng, qtype, E, n_ff, k, merged):
@@ -68,7 +69,7 @@ def _replay_matches(capture, outs, want):
                 np.testing.assert_array_equal(got.get(), exp)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q6_K"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K"])
 @pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("merged", [True, False])
@@ -77,7 +78,7 @@ def test_moe_gate_up(rng, qtype, act, bias, merged, n):
     import cupy as cp
     import moeforge
     from moeforge.codegen.spec import MmvqSpec
-    shapes = SHAPES_K if qtype in ("q4_K", "q6_K") else SHAPES
+    shapes = SHAPES_K if quant_type(qtype).sub_blocks > 1 else SHAPES
     E, top_k, n_ff, k = shapes[(n + len(act) + 2 * bias + merged) % len(shapes)]
     rg, ru, w = _weights(rng, qtype, E, n_ff, k, merged)
     x = (rng.standard_normal((n, k)) * 2).astype(np.float32)

@@ -1,4 +1,4 @@
-"""K-quant weights (q4_K, q6_K) on the GPU: every MUL_MAT_ID path against both references,
+"""K-quant weights (q4_K, q5_K, q6_K) on the GPU: every MUL_MAT_ID path against both references,
 and a model whose every matrix is of the type against the numpy backend that emulates the
 kernels (pytest -m gpu; the dense product and the fused gate/up take them in test_mul_mat_id
 and test_fused). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it can."""
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 
-@pytest.fixture(params=["q4_K", "q6_K"])
+@pytest.fixture(params=["q4_K", "q5_K", "q6_K"])
 def Q(request):
     return request.param
 
@@ -85,7 +85,7 @@ def test_streamk_fixup_over_sm_counts(Q, rng):
 
 
 def test_embedding_rows_are_ggufs_dequantization(Q, tmp_path):
-    """get_rows_q4_K and get_rows_q6_K give gguf's own dequantized rows, bit for bit."""
+    """get_rows_q4_K, _q5_K and _q6_K give gguf's own dequantized rows, bit for bit."""
     import cupy as cp
     from moeforge.runtime.gguf_file import GGUFFile
     from moeforge.synth import preset, write_qwen3moe
@@ -102,10 +102,20 @@ def test_embedding_rows_are_ggufs_dequantization(Q, tmp_path):
 def test_model_matches_numpy_kernel_emulation(Q, tmp_path, skewed):
     """A tiny model whose every matrix is of type Q (embedding and head too): prompt pass and
     decode steps on the GPU against the numpy backend's emulation of the kernels."""
+    _model_against_emulation(tmp_path, Q, skewed)
+
+
+def test_q5_k_m_model_matches_numpy_kernel_emulation(tmp_path):
+    """llama.cpp's Q5_K_M mix (q5_K, q6_K for the head, attn_v and ffn_down in layer 1),
+    every tensor run as it is; llama.cpp has no fixture of it (tests/fixtures/parity)."""
+    _model_against_emulation(tmp_path, "q5_K_M", True)
+
+
+def _model_against_emulation(tmp_path, qtype, skewed):
     from conftest import kl_per_token
     from moeforge.synth import preset, write_qwen3moe
     path = str(tmp_path / "k.gguf")
-    write_qwen3moe(path, preset("tiny-k"), Q, seed=int(np.random.SeedSequence().entropy % 2**31),
+    write_qwen3moe(path, preset("tiny-k"), qtype, seed=int(np.random.SeedSequence().entropy % 2**31),
                    skewed_router=skewed)
     toks = np.random.default_rng().integers(0, 512, size=48)
     gpu = load_model(path, backend="cuda")
