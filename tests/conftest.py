@@ -37,13 +37,14 @@ def generated(tmp_path_factory):
     build_dir = tmp_path_factory.mktemp("build")
     buf = io.StringIO()
     plan = compile_plan()
-    subset = {a: specs for a, specs in plan.items() if a != "sm_90"}
+    subset = dict(plan)
     summary = generate(parse_types("all"), ARCHS, build_dir, progress=False, out=buf, subset=subset)
     return build_dir, summary, buf.getvalue()
 
 
 FULL_ARCHS = ("sm_80", "sm_90")   # the templates' two code paths (see compile_plan)
 SAMPLE_EVERY = 8        # sm_80's share of the instances beyond its branch signatures
+SUPER_TILE_EVERY = 4    # sm_90's share of the super-block formats' int8 tiles beyond those
 OTHER_ARCH_EVERY = 32   # sm_86's and sm_89's: sm_80's code under another target
 TILE_SIZES = ("x", "y", "warps", "kblocks", "stages")
 
@@ -57,22 +58,42 @@ def branch_signature(spec) -> tuple:
 
 def compile_plan() -> dict:
     """{arch: instances} the compile test builds. The templates branch on __CUDA_ARCH__ >= 800
-    and >= 900 only (test_codegen checks that), so sm_90 builds every instance; sm_80's code
-    is the same templates without the >= 900 branches, so it builds every mat-vec, f16-tile
-    and model instance of the 32-weight formats (cheap), one tile instance of every branch
-    signature of every format (the tile sizes only change #defines that sm_90 compiled in
-    every combination) and a fixed eighth of the rest; sm_86 and sm_89, which compile
-    sm_80's path, a fixed 32nd. With q6_K (617 instances) on top of the plan before
-    (sm_80 every 32-weight instance, the others an eighth), the compile test took ~21 of
-    CI's ~28 minutes on 2 cores."""
+    and >= 900 only (test_codegen checks that), so sm_90 and sm_80 carry every code path; the
+    tile sizes (x, y, warps, kblocks, stages) are #defines the branches are written over.
+    sm_90 builds every instance but the int8 tiles of the super-block formats (q4_K, q5_K,
+    q6_K: 280 each, the slowest to compile), of which it builds one of every branch signature,
+    every one a shipped profile or the dispatch defaults name, and a fixed quarter; sm_80 every
+    mat-vec, f16-tile and model instance of the 32-weight formats (cheap), one tile instance of
+    every branch signature of every format, and a fixed eighth of the rest; sm_86 and sm_89,
+    which compile sm_80's path, a fixed 32nd. With every instance on sm_90, the test took ~23
+    of CI's ~30 minutes on 2 cores once q5_K's 636 instances came."""
     from moeforge.codegen.compile import ARCHS
     from moeforge.codegen.enumerate import all_specs
     from moeforge.codegen.quant import parse_types
     specs = all_specs(parse_types("all"))
     cheap32 = [s for s in specs if not isinstance(s, MmqSpec) and (not hasattr(s, "quant") or s.quant.sub_blocks == 1)]
     one_each = list({branch_signature(s): s for s in reversed(specs)}.values())
+    super_tiles = [s for s in specs if isinstance(s, MmqSpec) and s.quant.sub_blocks > 1]
+    named = _named_specs()
+    sm90 = [s for s in specs if s not in set(super_tiles)
+            or s in named or s in one_each or super_tiles.index(s) % SUPER_TILE_EVERY == 0]
     sm80 = list(dict.fromkeys(cheap32 + one_each + specs[::SAMPLE_EVERY]))
-    return {a: specs if a == "sm_90" else sm80 if a == "sm_80" else specs[::OTHER_ARCH_EVERY] for a in ARCHS}
+    return {a: sm90 if a == "sm_90" else sm80 if a == "sm_80" else specs[::OTHER_ARCH_EVERY] for a in ARCHS}
+
+
+def _named_specs() -> set:
+    """The int8 tiles a shipped profile names or the dispatch defaults choose (token
+    tiles of 1 to 256 tokens an expert, dense and MoE)."""
+    from moeforge.codegen.quant import QUANT_TYPES
+    from moeforge.runtime import dispatch
+    from moeforge.tuning.paths import shipped_profiles
+    from moeforge.tuning.profile import load
+    out = {e.spec for path in shipped_profiles() for e in load(path).entries.values()}
+    for q in QUANT_TYPES:
+        for per_tile in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            out.add(dispatch.default_mmq(q, per_tile, ids=True))
+            out.add(dispatch.default_mmq(q, per_tile, ids=False))
+    return out
 
 
 PARITY_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
