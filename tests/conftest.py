@@ -65,8 +65,8 @@ def compile_plan() -> dict:
     every one a shipped profile or the dispatch defaults name, and a fixed quarter; sm_80 every
     mat-vec, f16-tile and model instance of the 32-weight formats (cheap), one tile instance of
     every branch signature of every format, and a fixed eighth of the rest; sm_86 and sm_89,
-    which compile sm_80's path, a fixed 32nd. With every instance on sm_90, the test took ~23
-    of CI's ~30 minutes on 2 cores once q5_K's 636 instances came."""
+    which compile sm_80's path, a fixed 32nd. With every instance on sm_90 the test took ~21
+    of CI's 27 minutes on 2 cores once q5_K's 636 instances came; with this plan CI took 18."""
     from moeforge.codegen.compile import ARCHS
     from moeforge.codegen.enumerate import all_specs
     from moeforge.codegen.quant import parse_types
