@@ -66,12 +66,12 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
     if q.name in ("q4_K", "q5_K"):
         dmin = blocks[:, :, 2:4].copy().view(np.float16).reshape(rows, nsb).astype(np.float32)
         sc, mn = q4_k_scales(blocks[:, :, 4:16])
-        c = blocks[:, :, q.qs_offset:].reshape(rows, nsb, 4, 32)
-        ints = np.stack([c & 0x0F, c >> 4], axis=3).astype(np.int32)    # sub-blocks 2i, 2i+1
-        if q.high_bits:   # q5_K: bit i of byte l is value l's fifth bit in sub-block i
-            qh = blocks[:, :, 16:48]
-            fifth = np.stack([(qh >> i) & 1 for i in range(8)], axis=2).reshape(ints.shape)
-            ints |= fifth.astype(np.int32) << 4
+        if q.high_bits:   # q5_K: the nibble and the fifth bit
+            from .runtime.array_blocks import q5_k_quants
+            ints = q5_k_quants(blocks.reshape(rows * nsb, q.block_bytes)).astype(np.int32)
+        else:
+            c = blocks[:, :, 16:144].reshape(rows, nsb, 4, 32)
+            ints = np.stack([c & 0x0F, c >> 4], axis=3).astype(np.int32)    # sub-blocks 2i, 2i+1
         mul = (d[..., None] * sc).astype(np.float32)                     # exact: 11 x 6 bits
         add = (-(dmin[..., None] * mn)).astype(np.float32)
         return ints.reshape(rows, k), mul.reshape(rows, nb), add.reshape(rows, nb)

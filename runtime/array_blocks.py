@@ -58,16 +58,22 @@ def dequantize_q3_k(blocks, xp=np):
     return (dl * q).reshape(n, 256)
 
 
+def q5_k_quants(blocks, xp=np):
+    """q5_K super-blocks (n, 176) -> their quants 0..31 (n, 256) uint8 in weight order, the
+    nibble and the fifth bit joined; the reference's emulation reads them here too."""
+    n = blocks.shape[0]
+    ql = _bits(blocks[:, 48:176], n, 32, 4, xp).reshape(n, -1, 32)
+    qh = _bits(blocks[:, 16:48], n, 32, 1, xp).reshape(n, -1, 32)
+    return (ql | (qh << 4)).reshape(n, 256)
+
+
 def dequantize_q5_k(blocks, xp=np):
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, 0:2], xp), _f16(blocks[:, 2:4], xp)
     sc, mn = scale_min_k4(blocks[:, 4:16], xp)
-    qh, qs = blocks[:, 16:48], blocks[:, 48:176]
     dl = (d * sc.astype(xp.float32)).reshape(n, -1, 1)
     ml = (dmin * mn.astype(xp.float32)).reshape(n, -1, 1)
-    ql = _bits(qs, n, 32, 4, xp).reshape(n, -1, 32)
-    qh = _bits(qh, n, 32, 1, xp).reshape(n, -1, 32)
-    q = (ql | (qh << 4)).astype(xp.float32)
+    q = q5_k_quants(blocks, xp).reshape(n, -1, 32).astype(xp.float32)
     return (dl * q - ml).reshape(n, 256)
 
 

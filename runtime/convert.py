@@ -7,10 +7,10 @@ dequantizer and requantized to q8_0 with gguf's reference quantizer (ggml's
 quantize_row_q8_0): the K-quants (q3_K, q2_K; q5_K and q6_K when MOEFORGE_CONVERT asks) on
 the device when the GPU loads them, with the same bits (array_blocks), the rest on the
 host, in chunks of blocks spread over threads (numpy lets go of the GIL in its loops).
-q8_0 is the most precise format the kernels take: a weight moves by at most half a q8_0 step (a block's largest
-magnitude / 254). Both backends load the same converted bytes, so the numpy backend stays
-the reference of the GPU's results; llama.cpp, which runs these types itself, differs by
-the requantization.
+q8_0 is the most precise format the kernels take: a weight moves by at most half a q8_0
+step (a block's largest magnitude / 254). Both backends load the same converted bytes, so
+the numpy backend stays the reference of the GPU's results; llama.cpp, which runs these
+types itself, differs by the requantization.
 """
 from __future__ import annotations
 

@@ -74,9 +74,9 @@ def compile_plan() -> dict:
     cheap32 = [s for s in specs if not isinstance(s, MmqSpec) and (not hasattr(s, "quant") or s.quant.sub_blocks == 1)]
     one_each = list({branch_signature(s): s for s in reversed(specs)}.values())
     super_tiles = [s for s in specs if isinstance(s, MmqSpec) and s.quant.sub_blocks > 1]
-    named = _named_specs()
-    sm90 = [s for s in specs if s not in set(super_tiles)
-            or s in named or s in one_each or super_tiles.index(s) % SUPER_TILE_EVERY == 0]
+    kept = _named_specs() | set(one_each) | set(super_tiles[::SUPER_TILE_EVERY])
+    sampled = set(super_tiles) - kept
+    sm90 = [s for s in specs if s not in sampled]
     sm80 = list(dict.fromkeys(cheap32 + one_each + specs[::SAMPLE_EVERY]))
     return {a: sm90 if a == "sm_90" else sm80 if a == "sm_80" else specs[::OTHER_ARCH_EVERY] for a in ARCHS}
 
