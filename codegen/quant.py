@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import gguf
 
 KERNEL_BLOCK = 32   # weights per q8_1 activation block, the unit every kernel steps in
+# ggml's kvalues_iq4nl: the 16 int8 values a 4-bit index of iq4_nl and iq4_xs stands for
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class QuantType:
     # (q6_K: its high bits, two scales and a copy of d); 0: the GGUF block's bytes outside
     # qs, shared by its kernel blocks (a super-block's, `super_meta`).
     own_meta_bytes: int = 0
+    # Non-linear formats: the int8 value of each 4-bit index (the i-quants' lattice); empty
+    # where the quant is the value itself (offset by the format's own rule).
+    codebook: tuple[int, ...] = ()
 
     @property
     def sub_blocks(self) -> int:
@@ -61,6 +66,12 @@ class QuantType:
         """A kernel block's scales are found in its super-block's shared bytes (q4_K), so
         that stages hold whole super-blocks; otherwise each block's meta is its own."""
         return self.sub_blocks > 1 and not self.own_meta_bytes
+
+    def codebook_words(self, bias: int = 0) -> tuple[int, ...]:
+        """The codebook as four little-endian words of bytes value + bias (mod 256): the
+        tables a byte permute looks the indices up in (quant_iq4_xs.cuh.j2)."""
+        b = [(v + bias) & 0xFF for v in self.codebook]
+        return tuple(b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, len(b), 4))
 
     @property
     def template(self) -> str:
@@ -117,6 +128,11 @@ QUANT_TYPES: dict[str, QuantType] = {
         # gives each kernel block 12 meta bytes: its high bits, its two scales, d
         # (quant_q6_K.cuh.j2): 7 bits a weight on the GPU, the file's 6.5625.
         QuantType("q6_K", gguf.GGMLQuantizationType.Q6_K, 256, 210, 0, 16, high_bits=2, own_meta_bytes=12),
+        # super-block of 256: d (f16), 2 bytes of the eight 6-bit scales' top two bits, 4
+        # bytes of their low nibbles, 128 bytes of 4-bit indices in q4_0's order a 32-weight
+        # sub-block; w = d * (ls_i - 32) * IQ4_VALUES[index]. The 8 bytes before the indices
+        # are the meta, as they are (quant_iq4_xs.cuh.j2): 4.25 bits a weight.
+        QuantType("iq4_xs", gguf.GGMLQuantizationType.IQ4_XS, 256, 136, 8, 16, codebook=IQ4_VALUES),
     )
 }
 _BY_LOWER = {name.lower(): q for name, q in QUANT_TYPES.items()}

@@ -7,19 +7,23 @@ from importlib import resources
 
 import jinja2
 
+from .quant import QUANT_TYPES
 from .spec import KernelSpec, MmfSpec, MmqSpec
 
 
 @lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
     root = resources.files("moeforge.templates")
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(root)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
         lstrip_blocks=True,
     )
+    # a format's traits (its codebook, say) where a kernel that is not of one format needs them
+    env.globals["quant_types"] = QUANT_TYPES
+    return env
 
 
 def render(spec: KernelSpec) -> str:

@@ -6,7 +6,7 @@ import os
 import sys
 
 # synth.TYPES, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
-SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "f16", "f32")
+SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "f16", "f32")
 
 
 def _ints(text: str) -> list[int]:

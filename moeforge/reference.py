@@ -83,6 +83,12 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
         ints = qv.astype(np.int32).reshape(-1, 16, 16) * sc.astype(np.int32)[..., None]
         mul = np.repeat(d6.reshape(rows, nsb), 8, axis=1)
         return ints.reshape(rows, k), mul, np.zeros_like(mul)
+    if q.name == "iq4_xs":
+        # the levels are the integers; a sub-block's multiplier d * (ls - 32) (exact: 11 x 6 bits)
+        from .runtime.array_blocks import iq4_xs_parts
+        levels, ls, dx = iq4_xs_parts(blocks.reshape(rows * nsb, q.block_bytes))
+        mul = (dx * ls.astype(np.float32)).astype(np.float32).reshape(rows, nb)
+        return levels.astype(np.int32).reshape(rows, k), mul, np.zeros_like(mul)
     raise NotImplementedError(f"no kernel emulation for {q.name}")
 
 
@@ -197,6 +203,8 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
             d /= 64   # the same, with quants up to 31
         if q.name == "q6_K":
             d /= 256  # times int8 scales and q - 32: weights of the same size
+        if q.name == "iq4_xs":
+            d /= 256  # times ls - 32 and levels up to 127: the same
         blocks[:, :, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     return blocks.reshape(rows, nb * q.block_bytes)
 

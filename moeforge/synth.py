@@ -25,14 +25,16 @@ from .synth_vocab import add_tokenizer
 ARCH = "qwen3moe"
 # q4_K_M, q5_K_M: llama.cpp's mixes of those names (q4_K or q5_K, with q6_K where they give
 # more bits: see tensor_plan); q6_K also for every matrix, or as --output-type/--embd-type
-# (llama.cpp's Q4_0 files keep a q6_K head)
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K")
-TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K")
+# (llama.cpp's Q4_0 files keep a q6_K head); iq4_xs every matrix (llama.cpp's IQ4_XS mix
+# gives attn_v q5_K and the head q6_K: --output-type q6_K comes close)
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs")
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K", "iq4_xs")
 # the base type of each mix
 MIXES = {"q4_K_M": "q4_K", "q5_K_M": "q5_K"}
-# llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K (q5_K) is closest to Q4_K_S (Q5_K_S)
+# llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K (q5_K, iq4_xs) is closest to Q4_K_S
+# (Q5_K_S, IQ4_XS)
 FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17,
-             "q6_K": 18}
+             "q6_K": 18, "iq4_xs": 30}
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,10 @@ class _Weights:
         elif t == "q5_K":   # the same nibbles, and byte 0 of the fifth bits (value 0 of each sub-block)
             b[:, 48::32] = 0xFF
             b[:, 16] = 0xFF
+        elif t == "iq4_xs":   # value 0 of each sub-block: the low nibble of its first byte, the
+            b[:, 8::16] |= 0x0F   # level 113; its scale ls - 32 made positive (ls's top bit and a
+            b[:, 2:4] |= 0xAA     # low nibble of at least 1)
+            b[:, 4:8] |= 0x11
         elif t == "q6_K":   # value 0 of block 4n+p: both nibbles of ql[64n + 32(p & 1)], qh[32n]
             b[:, 0:128:32] = 0xFF
             b[:, 128:192:32] = 0xFF

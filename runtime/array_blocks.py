@@ -95,6 +95,28 @@ def dequantize_q6_k(blocks, xp=np):
     return (d * q.reshape(n, 16, -1).astype(xp.float32)).reshape(n, 256)
 
 
+def iq4_xs_parts(blocks, xp=np):
+    """iq4_xs super-blocks (n, 136) -> (levels as int8 (n, 256) in weight order, the eight
+    sub-block scales ls - 32 as int8 (n, 8), d as float32 (n, 1)); the reference's
+    emulation reads them here too."""
+    from ..codegen.quant import IQ4_VALUES
+    n = blocks.shape[0]
+    high = xp.ascontiguousarray(blocks[:, 2:4]).view(xp.uint16)                      # (n, 1)
+    low = _bits(blocks[:, 4:8], n, 4, 4, xp).reshape(n, 2, 4).transpose(0, 2, 1).reshape(n, 8)
+    top = (high >> xp.arange(0, 16, 2, dtype=xp.uint16)) & 3                          # (n, 8)
+    ls = (low | (top.astype(xp.uint8) << 4)).astype(xp.int8) - xp.int8(32)
+    idx = _bits(blocks[:, 8:136], n, 16, 4, xp).reshape(n, 256)                       # (sub, nibble, j)
+    levels = xp.asarray(IQ4_VALUES, dtype=xp.int8)[idx]
+    return levels, ls, _f16(blocks[:, 0:2], xp)
+
+
+def dequantize_iq4_xs(blocks, xp=np):
+    n = blocks.shape[0]
+    levels, ls, d = iq4_xs_parts(blocks, xp)
+    dl = (d * ls.astype(xp.float32)).reshape(n, 8, 1)
+    return (dl * levels.reshape(n, 8, 32).astype(xp.float32)).reshape(n, 256)
+
+
 def quantize_q8_0(w, xp=np):
     """float32 (n, 32) -> q8_0 blocks (n, 34) uint8: gguf's Q8_0.quantize_blocks (ggml's
     reference rounding, halves away from zero)."""

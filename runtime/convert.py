@@ -1,16 +1,16 @@
 """GGUF types moeforge has no kernels for, converted to q8_0 as they load.
 
 Real files mix types: llama.cpp's Q4_K_M is q4_K with q6_K in places, Q5_K_M q5_K with
-q6_K (all have kernels), and other mixes bring q3_K, q2_K or the i-quants. Such a file is
-not refused: each tensor of a type gguf can dequantize is dequantized with gguf's reference
-dequantizer and requantized to q8_0 with gguf's reference quantizer (ggml's
-quantize_row_q8_0): the K-quants (q3_K, q2_K; q5_K and q6_K when MOEFORGE_CONVERT asks) on
-the device when the GPU loads them, with the same bits (array_blocks), the rest on the
-host, in chunks of blocks spread over threads (numpy lets go of the GIL in its loops).
-q8_0 is the most precise format the kernels take: a weight moves by at most half a q8_0
-step (a block's largest magnitude / 254). Both backends load the same converted bytes, so
-the numpy backend stays the reference of the GPU's results; llama.cpp, which runs these
-types itself, differs by the requantization.
+q6_K, IQ4_XS iq4_xs with q5_K and q6_K (all have kernels), and other mixes bring q3_K, q2_K
+or the other i-quants. Such a file is not refused: each tensor of a type gguf can
+dequantize is dequantized with gguf's reference dequantizer and requantized to q8_0 with
+gguf's reference quantizer (ggml's quantize_row_q8_0): q3_K and q2_K (and q5_K, q6_K and
+iq4_xs when MOEFORGE_CONVERT asks) on the device when the GPU loads them, with the same bits
+(array_blocks), the rest on the host, in chunks of blocks spread over threads (numpy lets go
+of the GIL in its loops). q8_0 is the most precise format the kernels take: a weight moves
+by at most half a q8_0 step (a block's largest magnitude / 254). Both backends load the
+same converted bytes, so the numpy backend stays the reference of the GPU's results;
+llama.cpp, which runs these types itself, differs by the requantization.
 """
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ from . import array_blocks
 TARGET = "q8_0"
 # ggml names of the types converted (those gguf's dequantizer knows and the kernels do not)
 FOREIGN = ("q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs",
-           "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
+           "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "tq1_0", "tq2_0")
 CHUNK_WEIGHTS = 1 << 18   # per task: ~1 MB of float32, small enough that threads do not queue on fresh mmaps
 # Types with kernels of their own that a user may still have converted (MOEFORGE_CONVERT=q6_K:
-# to compare a file's speed and numerics with and without them); both ran as q8_0 before
+# to compare a file's speed and numerics with and without them); all ran as q8_0 before
 # they had kernels.
-CONVERTIBLE = ("q5_K", "q6_K")
+CONVERTIBLE = ("q5_K", "q6_K", "iq4_xs")
 
 
 def converted_types() -> tuple[str, ...]:
@@ -89,7 +89,8 @@ def to_q8_0(raw: np.ndarray, qtype: str, k: int, threads: int | None = None) -> 
 
 # the types converted on the device when the GPU loads them (array_blocks: gguf's bits there)
 DEVICE_DEQUANTIZE = {"q2_K": array_blocks.dequantize_q2_k, "q3_K": array_blocks.dequantize_q3_k,
-                     "q5_K": array_blocks.dequantize_q5_k, "q6_K": array_blocks.dequantize_q6_k}
+                     "q5_K": array_blocks.dequantize_q5_k, "q6_K": array_blocks.dequantize_q6_k,
+                     "iq4_xs": array_blocks.dequantize_iq4_xs}
 DEVICE_CHUNK_BLOCKS = 1 << 16    # 16M weights: ~64 MB of float32 and a few times that in temporaries
 
 

@@ -1,5 +1,5 @@
 """Float weights -> GGUF blocks: gguf's reference quantizers where it has one, our own for
-the K-quants it lacks (gguf-py dequantizes q4_K and q5_K but cannot quantize them).
+the formats it lacks (gguf-py dequantizes q4_K, q5_K and iq4_xs but cannot quantize them).
 
 The q4_K and q5_K quantizers are plain ones, not ggml's (which searches each sub-block's
 scale and min to minimise the error): per 32-weight sub-block the range [min(0, lo), hi] is
@@ -24,6 +24,8 @@ def quantize(x: np.ndarray, q: QuantType) -> np.ndarray:
         return quantize_q4_k(x)
     if q.name == "q5_K":
         return quantize_q5_k(x)
+    if q.name == "iq4_xs":
+        return quantize_iq4_xs(x)
     from gguf import quants
     return quants.quantize(x, q.ggml_type)
 
@@ -115,3 +117,35 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     out[..., 192:208] = sc.view(np.uint8)
     out[..., 208:210] = d.view(np.uint8).reshape(rows, nsb, 2)
     return out.reshape(rows, nsb * 210)
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """Float rows (rows, k), k a multiple of 256 -> iq4_xs blocks (rows, k // 256 * 136).
+    A plain quantizer, not ggml's search: each 32 weights' scale maps their largest magnitude
+    onto the level -127, the super-block's d is the largest scale over -32 (so that every
+    ls - 32 lies in [-32, 31]), and each weight takes the level nearest to it under the
+    sub-block's rounded scale."""
+    from ..codegen.quant import IQ4_VALUES
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, k = x.shape
+    nsb = k // 256
+    sub = x.reshape(rows, nsb, 8, 32).astype(np.float64)
+    at = np.abs(sub).argmax(axis=-1)[..., None]
+    scale = np.take_along_axis(sub, at, axis=-1)[..., 0] / -127.0          # (rows, nsb, 8)
+    big = np.take_along_axis(scale, np.abs(scale).argmax(axis=-1)[..., None], axis=-1)
+    d = (big[..., 0] / -32.0).astype(np.float16)
+    d64 = d.astype(np.float64)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(d64 != 0, np.rint(scale / d64), 0).clip(-32, 31).astype(np.int64) + 32
+        step = (d64 * (ls - 32))[..., None]
+        r = np.where(step != 0, sub / step, 0.0)
+    levels = np.asarray(IQ4_VALUES, dtype=np.float64)
+    idx = np.abs(r[..., None] - levels).argmin(axis=-1).astype(np.uint8)  # (rows, nsb, 8, 32)
+    out = np.empty((rows, nsb, 136), dtype=np.uint8)
+    out[..., 0:2] = d.view(np.uint8).reshape(rows, nsb, 2)
+    high = ((ls >> 4) << np.arange(0, 16, 2)).sum(axis=-1).astype(np.uint16)
+    out[..., 2:4] = high.view(np.uint8).reshape(rows, nsb, 2)
+    low = (ls & 15).astype(np.uint8)
+    out[..., 4:8] = low[..., 0::2] | (low[..., 1::2] << 4)
+    out[..., 8:136] = (idx[..., :16] | (idx[..., 16:] << 4)).reshape(rows, nsb, 128)
+    return out.reshape(rows, nsb * 136)

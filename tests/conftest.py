@@ -61,7 +61,7 @@ def compile_plan() -> dict:
     and >= 900 only (test_codegen checks that), so sm_90 and sm_80 carry every code path; the
     tile sizes (x, y, warps, kblocks, stages) are #defines the branches are written over.
     sm_90 builds every instance but the int8 tiles of the super-block formats (q4_K, q5_K,
-    q6_K: 280 each, the slowest to compile), of which it builds one of every branch signature,
+    q6_K, iq4_xs: 280 each, the slowest to compile), of which it builds one of every branch signature,
     every one a shipped profile or the dispatch defaults name, and a fixed quarter; sm_80 every
     mat-vec, f16-tile and model instance of the 32-weight formats (cheap), one tile instance of
     every branch signature of every format, and a fixed eighth of the rest; sm_86 and sm_89,
@@ -159,7 +159,7 @@ def attention64(q, kc, vc, pos, hp):
 
 
 # where a K-quant block keeps its f16 scales (d, and dmin where it has one)
-K_F16_AT = {"q2_K": (80, 82), "q3_K": (108,), "q5_K": (0, 2), "q6_K": (208,)}
+K_F16_AT = {"q2_K": (80, 82), "q3_K": (108,), "q5_K": (0, 2), "q6_K": (208,), "iq4_xs": (0,)}
 
 
 def kquant_blocks(rng, name, n):

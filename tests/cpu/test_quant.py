@@ -97,6 +97,72 @@ def test_q5_k_split_layout_is_what_the_kernels_read(rng):
     assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
 
 
+def _prmt(a, b, s):
+    """PTX prmt.b32 in its default mode for selectors without sign bits: byte n of the result
+    is byte (nibble n of s) of b:a."""
+    src = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+    out = np.zeros_like(a, dtype=np.uint64)
+    for n in range(4):
+        sel = (np.asarray(s, dtype=np.uint64) >> np.uint64(4 * n)) & np.uint64(7)
+        out |= ((src >> (sel * np.uint64(8))) & np.uint64(0xFF)) << np.uint64(8 * n)
+    return out.astype(np.uint32)
+
+
+def _word_levels(v, table):
+    """quant_iq4_xs.cuh.j2's qt_word_levels, word for word: the levels of values 4w..4w+3 and
+    16+4w..16+4w+3 of nibble word v, looked up in table (four words)."""
+    t0, t1, t2, t3 = (np.full_like(v, t) for t in table)
+
+    def levels(s):
+        lo, hi = _prmt(t0, t1, s & 0x7777), _prmt(t2, t3, s & 0x7777)
+        return _prmt(lo, hi, 0x3210 | ((s >> 1) & 0x4444))
+    a, b = levels(v), levels(v >> 16)
+    return _prmt(a, b, 0x6420), _prmt(a, b, 0x7531)
+
+
+@pytest.mark.parametrize("bias", [0, 128])
+def test_iq4_xs_split_layout_is_what_the_kernels_read(rng, bias):
+    """The iq4_xs kernels' reading of the split bytes (quant_iq4_xs.cuh.j2; bias 128: the f16
+    tiles' table, mmf.cu.j2): block b's indices as they are, their levels by the byte-permute
+    lookup; its super-block's 8 meta bytes at b & ~7, ls from nibble i of the second word and
+    bits 16 + 2i of the first; (d * (ls - 32)) * level is gguf's dequantization bit for bit."""
+    q = quant_type("iq4_xs")
+    rows, k = 5, 768
+    raw = ref.random_blocks("iq4_xs", rows, k, rng)
+    qs, meta = split_blocks(raw, q, rows, k)
+    nb = k // 32
+    words = qs.reshape(rows, nb, 16).copy().view(np.uint32)                        # (rows, nb, w)
+    lo, hi = _word_levels(words, q.codebook_words(bias))
+    as_bytes = lambda v: v.view(np.uint8).reshape(rows, nb, 16)  # noqa: E731
+    levels = np.concatenate([as_bytes(lo), as_bytes(hi)], axis=-1)
+    levels = (levels.astype(np.int32) - bias).astype(np.uint8).view(np.int8)      # values 0..31
+    assert levels.min() == -127 and levels.max() == 113
+    sb = meta[:, :nb].reshape(rows, nb // 8, 2, 4).copy().view(np.uint32)[..., 0]  # (rows, nsb, 2)
+    i = np.arange(8, dtype=np.uint32)
+    ls = ((sb[..., 1:2] >> (4 * i)) & 15) | (((sb[..., 0:1] >> (16 + 2 * i)) & 3) << 4)
+    d = (sb[..., 0] & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)
+    mul = (d[..., None] * (ls.astype(np.float32) - 32)).reshape(rows, nb, 1)
+    w = (mul * levels.astype(np.float32)).reshape(rows, k)
+    want = ref.dequantize(raw, "iq4_xs", (rows, k))
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
+
+
+def test_codebooks_split_as_the_mat_vec_assumes():
+    """quant_iq4_xs.cuh.j2's mat-vec looks an index up in two 8-level halves whose other
+    half's entries read as a sign: -1 from the lower levels, 0 from the upper ones plus 1.
+    That holds only if the lower eight are negative and the upper eight plus 1 fit a
+    positive int8; and the table words must be the levels' bytes."""
+    for q in QUANT_TYPES.values():
+        if not q.codebook:
+            continue
+        v = np.asarray(q.codebook)
+        assert len(v) == 16 and (np.diff(v) > 0).all()
+        assert (v[:8] < 0).all() and (v[8:] + 1 >= 1).all() and (v[8:] + 1 <= 127).all()
+        got = np.asarray(q.codebook_words(), dtype=np.uint32).view(np.int8)
+        assert np.array_equal(got, v.astype(np.int8))
+        assert np.array_equal(np.asarray(q.codebook_words(1), dtype=np.uint32).view(np.int8)[8:], v[8:] + 1)
+
+
 def test_bad_k_and_unknown_type_are_named():
     with pytest.raises(ValueError, match="k=100"):
         quant_type("q4_0").blocks_per_row(100)
@@ -176,6 +242,31 @@ def test_k_quantizers_write_valid_close_blocks(rng, name, bar):
     sc, mn = rng.integers(0, 64, size=(2, 7, 8))
     got_sc, got_mn = ref.q4_k_scales(pack_q4_k_scales(sc, mn))
     assert np.array_equal(got_sc, sc) and np.array_equal(got_mn, mn)
+    with pytest.raises(ValueError, match="k=320"):
+        quantize(np.ones((2, 320), np.float32), q)
+
+
+def test_iq4_xs_quantizer_writes_valid_close_blocks(rng):
+    """moeforge's own plain iq4_xs quantizer (gguf-py has none): gguf dequantizes its blocks
+    to within the 16 levels' rounding of the input, for rows of either sign and all-zero
+    ones, deterministically; every sub-block scale ls - 32 lies in [-32, 31] by construction
+    (6 bits), and the sub-block with the super-block's largest scale gets ls = 0."""
+    from moeforge.runtime.array_blocks import iq4_xs_parts
+    from moeforge.runtime.quantize import quantize
+    q = quant_type("iq4_xs")
+    x = (rng.standard_normal((9, 768)) * rng.uniform(0.01, 3.0, size=(9, 1))).astype(np.float32)
+    x[1] = 0.0
+    x[2] = np.abs(x[2])
+    x[3] = -np.abs(x[3])
+    raw = quantize(x, q)
+    assert raw.shape == (9, q.row_bytes(768)) and np.array_equal(raw, quantize(x, q))
+    w = gguf.quants.dequantize(raw, q.ggml_type).reshape(x.shape)
+    assert np.isfinite(w).all() and not w[1].any()
+    for row in (0, 2, 3, 4, 8):
+        err = np.sqrt(((w[row] - x[row]) ** 2).mean() / (x[row] ** 2).mean())
+        assert err < 0.12, (row, err)
+    _, ls, _ = iq4_xs_parts(raw.reshape(-1, 136))
+    assert (ls.reshape(9, 3, 8)[[0, 2, 3, 4, 8]].min(axis=-1) == -32).all()
     with pytest.raises(ValueError, match="k=320"):
         quantize(np.ones((2, 320), np.float32), q)
 

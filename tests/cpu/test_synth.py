@@ -94,11 +94,16 @@ def test_bad_arguments(tmp_path):
         preset("llama-7b")
 
 
-@pytest.mark.parametrize("qtype", ["q4_K", "q5_K_M"])
+@pytest.mark.parametrize("qtype", ["q4_K", "q5_K_M", "iq4_xs"])
 def test_k_quant_model_kernel_numerics_close_to_float(tmp_path, qtype):
-    """A model whose every matrix is q4_K (q5_K with q6_K in places) on the numpy backend:
-    the emulation of the kernels (q8_1 activations, integer block dots, the K-quant scale
-    formulas) stays close to float64 on gguf's dequantized weights, as it does for q4_0."""
+    """A model whose every matrix is q4_K (q5_K with q6_K in places; iq4_xs) on the numpy
+    backend: the emulation of the kernels (q8_1 activations, integer block dots, the
+    super-block scale formulas) stays close to float64 on gguf's dequantized weights, as it
+    does for q4_0. The random tiny iq4_xs model (zero-mean weights, as q6_K's) is chaotic:
+    where two router logits nearly tie, q8_1's rounding swaps an expert and the tokens after
+    it move (mean KL 1.3e-4..3.9e-3 over fifteen models, the median at most 4.3e-4; CPU,
+    2026-11-28), so for it the bar is on the typical token (the median) and the mean only
+    bounds the swaps."""
     from conftest import kl_per_token
     path = str(tmp_path / "k.gguf")
     write_qwen3moe(path, preset("tiny-k"), qtype, seed=int(np.random.SeedSequence().entropy % 2**31))
@@ -106,17 +111,21 @@ def test_k_quant_model_kernel_numerics_close_to_float(tmp_path, qtype):
     flt = load_model(path, backend="numpy", numerics="float").logits(toks)
     emu = load_model(path, backend="numpy", numerics="kernel").logits(toks)
     kl = kl_per_token(flt, emu)
-    print(f"mean KL {kl.mean():.2e}, max {kl.max():.2e}")
-    assert kl.mean() < 1e-3 and np.isfinite(emu).all()
+    print(f"mean KL {kl.mean():.2e}, median {np.median(kl):.2e}, max {kl.max():.2e}")
+    assert np.isfinite(emu).all()
+    if qtype == "iq4_xs":
+        assert np.median(kl) < 1e-3 and kl.mean() < 2e-2
+    else:
+        assert kl.mean() < 1e-3
     assert np.abs(emu - flt).max() > 0     # the two numerics really differ
 
 
 def test_float_source_writes_k_quants_of_the_same_model(tmp_path):
-    """With float weights, the q4_K and q5_K files are more versions of the f32 model
-    (moeforge's own K-quant quantizers): deterministic, and their logits as close to the
-    f32 file's as the q4_0 file's are (q5_K's closer than q4_K's)."""
+    """With float weights, the q4_K, q5_K and iq4_xs files are more versions of the f32 model
+    (moeforge's own quantizers): deterministic, and their logits as close to the f32 file's
+    as the q4_0 file's are (q5_K's closer than q4_K's)."""
     from conftest import kl_per_token
-    paths = {t: str(tmp_path / f"{t}.gguf") for t in ("f32", "q4_0", "q4_K", "q5_K")}
+    paths = {t: str(tmp_path / f"{t}.gguf") for t in ("f32", "q4_0", "q4_K", "q5_K", "iq4_xs")}
     for t, p in paths.items():
         write_qwen3moe(p, preset("tiny-k"), t, source="float", seed=11)
     again = str(tmp_path / "again.gguf")
@@ -124,6 +133,6 @@ def test_float_source_writes_k_quants_of_the_same_model(tmp_path):
     assert open(again, "rb").read() == open(paths["q4_K"], "rb").read()
     toks = np.arange(1, 33) * 13 % 512
     lg = {t: load_model(p, backend="numpy").logits(toks) for t, p in paths.items()}
-    kl_k, kl_0, kl_5 = (kl_per_token(lg["f32"], lg[t]).mean() for t in ("q4_K", "q4_0", "q5_K"))
-    print(f"mean KL to f32: q4_K {kl_k:.2e}, q4_0 {kl_0:.2e}, q5_K {kl_5:.2e}")
-    assert 0 < kl_k < 2 * kl_0 and 0 < kl_5 < kl_k
+    kl_k, kl_0, kl_5, kl_i = (kl_per_token(lg["f32"], lg[t]).mean() for t in ("q4_K", "q4_0", "q5_K", "iq4_xs"))
+    print(f"mean KL to f32: q4_K {kl_k:.2e}, q4_0 {kl_0:.2e}, q5_K {kl_5:.2e}, iq4_xs {kl_i:.2e}")
+    assert 0 < kl_k < 2 * kl_0 and 0 < kl_5 < kl_k and 0 < kl_i < 2 * kl_0

@@ -1,4 +1,4 @@
-"""K-quant weights (q4_K, q5_K, q6_K) on the GPU: every MUL_MAT_ID path against both references,
+"""Super-block weights (q4_K, q5_K, q6_K, iq4_xs) on the GPU: every MUL_MAT_ID path against both references,
 and a model whose every matrix is of the type against the numpy backend that emulates the
 kernels (pytest -m gpu; the dense product and the fused gate/up take them in test_mul_mat_id
 and test_fused). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it can."""
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 
-@pytest.fixture(params=["q4_K", "q5_K", "q6_K"])
+@pytest.fixture(params=["q4_K", "q5_K", "q6_K", "iq4_xs"])
 def Q(request):
     return request.param
 
@@ -85,7 +85,7 @@ def test_streamk_fixup_over_sm_counts(Q, rng):
 
 
 def test_embedding_rows_are_ggufs_dequantization(Q, tmp_path):
-    """get_rows_q4_K, _q5_K and _q6_K give gguf's own dequantized rows, bit for bit."""
+    """get_rows_q4_K, _q5_K, _q6_K and _iq4_xs give gguf's own dequantized rows, bit for bit."""
     import cupy as cp
     from moeforge.runtime.gguf_file import GGUFFile
     from moeforge.synth import preset, write_qwen3moe
@@ -102,7 +102,17 @@ def test_embedding_rows_are_ggufs_dequantization(Q, tmp_path):
 def test_model_matches_numpy_kernel_emulation(Q, tmp_path, skewed):
     """A tiny model whose every matrix is of type Q (embedding and head too): prompt pass and
     decode steps on the GPU against the numpy backend's emulation of the kernels."""
-    _model_against_emulation(tmp_path, Q, skewed)
+    _model_against_emulation(tmp_path, Q, skewed, flips=FLIPS.get(Q, 0.0))
+
+
+# Share of the clear positions whose top-1 may differ. The random tiny iq4_xs model is
+# chaotic: in the numpy emulation itself, a relative 1e-6 perturbation of the norm outputs
+# moves its logits by a mean KL of 4e-5..1.6e-4 (q6_K's 5e-6..2e-5, q4_K's 1e-11; CPU,
+# 2026-11-28), since the float32 sums a q8_1 rounding then flips can swap an expert where
+# two router logits nearly tie. The GPU's float32 sums differ from the emulation's by
+# that much: on an H200 2 of 6 models had one top-1 flip at a clear position (KL <= 5e-4).
+# A kernel that reads iq4_xs wrong moves every position (KL >> 1e-3), which both bounds catch.
+FLIPS = {"iq4_xs": 0.1}
 
 
 def test_q5_k_m_model_matches_numpy_kernel_emulation(tmp_path):
@@ -111,12 +121,18 @@ def test_q5_k_m_model_matches_numpy_kernel_emulation(tmp_path):
     _model_against_emulation(tmp_path, "q5_K_M", True)
 
 
-def _model_against_emulation(tmp_path, qtype, skewed):
+def test_iq4_xs_model_with_a_q6_k_head_matches_numpy_kernel_emulation(tmp_path):
+    """iq4_xs with llama.cpp's q6_K head (its IQ4_XS mix keeps attn_v q5_K too: test_q5_k
+    covers that type), every tensor run as it is."""
+    _model_against_emulation(tmp_path, "iq4_xs", True, flips=FLIPS["iq4_xs"], output_type="q6_K")
+
+
+def _model_against_emulation(tmp_path, qtype, skewed, flips=0.0, **types):
     from conftest import kl_per_token
     from moeforge.synth import preset, write_qwen3moe
     path = str(tmp_path / "k.gguf")
     write_qwen3moe(path, preset("tiny-k"), qtype, seed=int(np.random.SeedSequence().entropy % 2**31),
-                   skewed_router=skewed)
+                   skewed_router=skewed, **types)
     toks = np.random.default_rng().integers(0, 512, size=48)
     gpu = load_model(path, backend="cuda")
     whole = gpu.logits(toks)
@@ -132,5 +148,6 @@ def _model_against_emulation(tmp_path, qtype, skewed):
     for got in (whole, steps):
         assert np.isfinite(got).all()
         top = got.argmax(-1) == want.argmax(-1)
-        assert top[clear].all(), f"top-1 differs at positions {np.nonzero(~top & clear)[0].tolist()}"
+        wrong = np.nonzero(~top & clear)[0]
+        assert len(wrong) <= flips * clear.sum(), f"top-1 differs at positions {wrong.tolist()}"
         assert kl_per_token(want, got).mean() < 1e-3

@@ -1,8 +1,8 @@
 """The f16 tensor-core path (MmfSpec), dense and MUL_MAT_ID, against both references:
 float64 on dequantized weights and the emulation of its own f16 rounding (pytest -m gpu).
-q4_K's and q5_K's weights are q * f16(d*sc) - f16(dmin*m) rounded once; their stages hold
-whole super-blocks (kblocks at least 8) and their rows whole super-blocks (k rounded up to
-256)."""
+q4_K's and q5_K's weights are q * f16(d*sc) - f16(dmin*m) rounded once, iq4_xs's level *
+f16(d*(ls-32)); their stages hold whole super-blocks (kblocks at least 8) and their rows
+whole super-blocks (k rounded up to 256)."""
 import dataclasses
 
 import numpy as np
@@ -63,7 +63,7 @@ def _compare(got, emu, flt):
     assert e_flt <= NMSE_FLOAT, f"NMSE vs float64 {e_flt:.3e}"
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "iq4_xs"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("E,top_k,m,k,n,skew,per_slot", [
     (8, 2, 96, 256, 33, False, False), (32, 4, 200, 416, 77, True, False), (128, 8, 72, 160, 300, True, False),
@@ -90,7 +90,7 @@ def test_mul_mat_id(rng, qtype, spec_i, E, top_k, m, k, n, skew, per_slot):
              ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids))
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "iq4_xs"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("m,k,n", [(200, 416, 77), (5120 // 8, 2048, 512), (72, 96, 9)])
 def test_mul_mat(rng, qtype, spec_i, m, k, n):

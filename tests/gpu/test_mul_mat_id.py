@@ -149,7 +149,7 @@ def test_streamk_grid_sizes(rng, m, n):
         ops.device_info = real
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs"])
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 100, 600])
 def test_mul_mat_dense(rng, qtype, n):
     import cupy as cp
@@ -163,7 +163,7 @@ def test_mul_mat_dense(rng, qtype, n):
     got = out.get()
     assert np.isfinite(got).all()
     from moeforge.runtime.dispatch import mmf_choice
-    if mmf_choice(qtype, n, None, m) is not None:     # the f16 tiles (q5_K, q6_K have none: int8 tiles)
+    if mmf_choice(qtype, n, None, m) is not None:     # the f16 tiles (q6_K has none: int8 tiles)
         emu = ref.mul_mat_id_emulated_f16(raw, qtype, (1, m, k), x, np.zeros((n, 1), np.int32))[:, 0]
     else:
         emu = ref.mul_mat_emulated(raw, qtype, (m, k), x)

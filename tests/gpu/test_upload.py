@@ -62,7 +62,7 @@ def test_model_merges_on_the_device_equal_the_host(tmp_path, qtype):
             assert np.array_equal(r.load(cp).get(), r.load())
 
 
-@pytest.mark.parametrize("name", ["q2_K", "q3_K", "q5_K", "q6_K"])
+@pytest.mark.parametrize("name", ["q2_K", "q3_K", "q5_K", "q6_K", "iq4_xs"])
 def test_k_quants_convert_on_the_device_to_the_hosts_bytes(rng, monkeypatch, name):
     import cupy as cp
     from conftest import kquant_blocks
