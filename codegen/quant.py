@@ -24,6 +24,12 @@ import gguf
 KERNEL_BLOCK = 32   # weights per q8_1 activation block, the unit every kernel steps in
 # ggml's kvalues_iq4nl: the 16 int8 values a 4-bit index of iq4_nl and iq4_xs stands for
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# ggml's kvalues_mxfp4: the e2m1 values of MXFP4, doubled to integers (its scale is halved)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _sign(v: int) -> int:
+    return -1 if v < 0 else 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,27 @@ class QuantType:
         tables a byte permute looks the indices up in (quant_iq4_xs.cuh.j2)."""
         b = [(v + bias) & 0xFF for v in self.codebook]
         return tuple(b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, len(b), 4))
+
+    def codebook_halves(self) -> tuple[int, int, int, int]:
+        """The two tables the mat-vec and the int8 tiles look an index up in
+        (quant_codebook.cuh.j2), as words: L (two words, entries 0..7) read with the index,
+        U (entries 8..15) with its bit 3 flipped. A byte permute whose selector has that bit
+        set reads no entry but repeats the sign of the one it points at, so an index i gets
+        L[i] + sign(U[i]) below 8 and sign(L[i - 8]) + U[i - 8] from 8: both must be V[i]. Per
+        pair j the signs are chosen so that they are the signs of the entries they make."""
+        v = self.codebook
+        lo, hi = [], []
+        for j in range(8):
+            for s_lo, s_hi in ((0, 0), (0, -1), (-1, 0), (-1, -1)):
+                a, b = v[j] - s_hi, v[8 + j] - s_lo
+                if _sign(a) == s_lo and _sign(b) == s_hi and -128 <= a <= 127 and -128 <= b <= 127:
+                    lo.append(a & 0xFF)
+                    hi.append(b & 0xFF)
+                    break
+            else:
+                raise ValueError(f"{self.name}: levels {v[j]} and {v[8 + j]} cannot be split by sign")
+        b = lo + hi
+        return tuple(b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, 16, 4))
 
     @property
     def template(self) -> str:
@@ -133,6 +160,9 @@ QUANT_TYPES: dict[str, QuantType] = {
         # sub-block; w = d * (ls_i - 32) * IQ4_VALUES[index]. The 8 bytes before the indices
         # are the meta, as they are (quant_iq4_xs.cuh.j2): 4.25 bits a weight.
         QuantType("iq4_xs", gguf.GGMLQuantizationType.IQ4_XS, 256, 136, 8, 16, codebook=IQ4_VALUES),
+        # gpt-oss's experts: a block of 32 is an e8m0 scale byte (2^(e - 128) with the levels
+        # doubled) then 16 bytes of 4-bit e2m1 codes in q4_0's order; w = d * MXFP4_VALUES[code]
+        QuantType("mxfp4", gguf.GGMLQuantizationType.MXFP4, 32, 17, 1, 16, codebook=MXFP4_VALUES),
     )
 }
 _BY_LOWER = {name.lower(): q for name, q in QUANT_TYPES.items()}

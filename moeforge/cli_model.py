@@ -6,7 +6,7 @@ import os
 import sys
 
 # synth.TYPES, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
-SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "f16", "f32")
+SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe", "f16", "f32")
 
 
 def _ints(text: str) -> list[int]:
@@ -100,7 +100,8 @@ def add_commands(sub) -> None:
                    "(tiny with rows of whole K-quant super-blocks)")
     s.add_argument("--type", default="q4_0", choices=SYNTH_TYPES,
                    help="type of every matrix, or q4_K_M / q5_K_M: llama.cpp's mixes (q4_K or q5_K; q6_K "
-                        "for the head, and attn_v and ffn_down in half the layers)")
+                        "for the head, and attn_v and ffn_down in half the layers), or mxfp4_moe: llama.cpp's "
+                        "MXFP4_MOE (mxfp4 experts, q8_0 elsewhere)")
     s.add_argument("--embd-type", default=None, help="type of token_embd (default: --type)")
     s.add_argument("--output-type", default=None, help="type of the output head (default: --type)")
     s.add_argument("--layers", type=int, default=None, help="override the preset's layer count")

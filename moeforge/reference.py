@@ -89,6 +89,13 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
         levels, ls, dx = iq4_xs_parts(blocks.reshape(rows * nsb, q.block_bytes))
         mul = (dx * ls.astype(np.float32)).astype(np.float32).reshape(rows, nb)
         return levels.astype(np.int32).reshape(rows, k), mul, np.zeros_like(mul)
+    if q.name == "mxfp4":
+        # the levels are the integers; a block's multiplier its e8m0 scale (exact, a power of 2)
+        b = blocks.reshape(rows, nb, q.block_bytes)
+        codes = np.concatenate([b[..., 1:] & 0x0F, b[..., 1:] >> 4], axis=-1)
+        levels = np.asarray(q.codebook, dtype=np.int32)[codes]
+        mul = quants.MXFP4.e8m0_to_fp32_half(b[..., 0].copy()).astype(np.float32)
+        return levels.reshape(rows, k), mul, np.zeros_like(mul)
     raise NotImplementedError(f"no kernel emulation for {q.name}")
 
 
@@ -193,6 +200,9 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     q = _q(qtype)
     nb = k // q.block_values
     blocks = rng.integers(0, 256, size=(rows, nb, q.block_bytes), dtype=np.uint8)
+    if q.name == "mxfp4":   # e8m0 scales 2^-11..2^-6 times levels up to 12: q4_0's weights
+        blocks[:, :, 0] = rng.integers(117, 123, size=(rows, nb))
+        return blocks.reshape(rows, nb * q.block_bytes)
     # the f16 scales: q4_K's and q5_K's d, then dmin, at the block's start; q6_K's d at its end
     where = {"q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,)}.get(q.name, (0,))
     for at in where:

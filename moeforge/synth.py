@@ -26,15 +26,18 @@ ARCH = "qwen3moe"
 # q4_K_M, q5_K_M: llama.cpp's mixes of those names (q4_K or q5_K, with q6_K where they give
 # more bits: see tensor_plan); q6_K also for every matrix, or as --output-type/--embd-type
 # (llama.cpp's Q4_0 files keep a q6_K head); iq4_xs every matrix (llama.cpp's IQ4_XS mix
-# gives attn_v q5_K and the head q6_K: --output-type q6_K comes close)
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs")
-TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K", "iq4_xs")
+# gives attn_v q5_K and the head q6_K: --output-type q6_K comes close); mxfp4_moe as
+# llama.cpp's MXFP4_MOE (mxfp4 has kernels for the expert products only)
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe")
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
 # the base type of each mix
 MIXES = {"q4_K_M": "q4_K", "q5_K_M": "q5_K"}
+# llama.cpp's MXFP4_MOE: the expert tensors mxfp4, every other matrix q8_0
+EXPERT_MIXES = {"mxfp4_moe": ("mxfp4", "q8_0")}
 # llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K (q5_K, iq4_xs) is closest to Q4_K_S
 # (Q5_K_S, IQ4_XS)
 FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17,
-             "q6_K": 18, "iq4_xs": 30}
+             "q6_K": 18, "iq4_xs": 30, "mxfp4_moe": 38}
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
     mix = qtype in MIXES
     if mix:   # Q4_K_M, Q5_K_M: q6_K head, attn_v and ffn_down in more_bits layers, the base type elsewhere
         qtype, output_type = MIXES[qtype], output_type or "q6_K"
+    experts = None
+    if qtype in EXPERT_MIXES:
+        experts, qtype = EXPERT_MIXES[qtype]
     plan = [("token_embd.weight", (s.n_vocab, d), embd_type or qtype)]
     for i in range(s.n_layer):
         b = f"blk.{i}."
@@ -95,11 +101,12 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
             (b + "ffn_norm.weight", (d,), "f32"),
             (b + "ffn_gate_inp.weight", (E, d), "f32"),   # llama-quantize keeps the router in F32
         ]
+        gu = experts or qtype
         if merged_gate_up:
-            plan.append((b + "ffn_gate_up_exps.weight", (E, 2 * ff, d), qtype))
+            plan.append((b + "ffn_gate_up_exps.weight", (E, 2 * ff, d), gu))
         else:
-            plan += [(b + "ffn_gate_exps.weight", (E, ff, d), qtype), (b + "ffn_up_exps.weight", (E, ff, d), qtype)]
-        plan.append((b + "ffn_down_exps.weight", (E, d, ff), more))
+            plan += [(b + "ffn_gate_exps.weight", (E, ff, d), gu), (b + "ffn_up_exps.weight", (E, ff, d), gu)]
+        plan.append((b + "ffn_down_exps.weight", (E, d, ff), experts or more))
     plan.append(("output_norm.weight", (d,), "f32"))
     if not tied_output:
         plan.append(("output.weight", (s.n_vocab, d), output_type or qtype))

@@ -28,9 +28,9 @@ FOREIGN = ("q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "iq1_s", "iq1_m", "iq2_xxs", 
            "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "tq1_0", "tq2_0")
 CHUNK_WEIGHTS = 1 << 18   # per task: ~1 MB of float32, small enough that threads do not queue on fresh mmaps
 # Types with kernels of their own that a user may still have converted (MOEFORGE_CONVERT=q6_K:
-# to compare a file's speed and numerics with and without them); all ran as q8_0 before
-# they had kernels.
-CONVERTIBLE = ("q5_K", "q6_K", "iq4_xs")
+# to compare a file's speed and numerics with and without them); the first three ran as
+# q8_0 before they had kernels (mxfp4 was refused).
+CONVERTIBLE = ("q5_K", "q6_K", "iq4_xs", "mxfp4")
 
 
 def converted_types() -> tuple[str, ...]:

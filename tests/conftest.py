@@ -44,7 +44,7 @@ def generated(tmp_path_factory):
 
 FULL_ARCHS = ("sm_80", "sm_90")   # the templates' two code paths (see compile_plan)
 SAMPLE_EVERY = 8        # sm_80's share of the instances beyond its branch signatures
-SUPER_TILE_EVERY = 4    # sm_90's share of the super-block formats' int8 tiles beyond those
+SUPER_TILE_EVERY = 4    # sm_90's share of the super-block and codebook formats' int8 tiles beyond those
 OTHER_ARCH_EVERY = 32   # sm_86's and sm_89's: sm_80's code under another target
 TILE_SIZES = ("x", "y", "warps", "kblocks", "stages")
 
@@ -60,9 +60,10 @@ def compile_plan() -> dict:
     """{arch: instances} the compile test builds. The templates branch on __CUDA_ARCH__ >= 800
     and >= 900 only (test_codegen checks that), so sm_90 and sm_80 carry every code path; the
     tile sizes (x, y, warps, kblocks, stages) are #defines the branches are written over.
-    sm_90 builds every instance but the int8 tiles of the super-block formats (q4_K, q5_K,
-    q6_K, iq4_xs: 280 each, the slowest to compile), of which it builds one of every branch signature,
-    every one a shipped profile or the dispatch defaults name, and a fixed quarter; sm_80 every
+    sm_90 builds every instance but the int8 tiles of the super-block and codebook formats
+    (q4_K, q5_K, q6_K, iq4_xs, mxfp4: 280 each, the slowest to compile), of which it builds
+    one of every branch signature, every one a shipped profile or the dispatch defaults
+    name, and a fixed quarter; sm_80 every
     mat-vec, f16-tile and model instance of the 32-weight formats (cheap), one tile instance of
     every branch signature of every format, and a fixed eighth of the rest; sm_86 and sm_89,
     which compile sm_80's path, a fixed 32nd. With every instance on sm_90 the test took ~21
@@ -73,7 +74,7 @@ def compile_plan() -> dict:
     specs = all_specs(parse_types("all"))
     cheap32 = [s for s in specs if not isinstance(s, MmqSpec) and (not hasattr(s, "quant") or s.quant.sub_blocks == 1)]
     one_each = list({branch_signature(s): s for s in reversed(specs)}.values())
-    super_tiles = [s for s in specs if isinstance(s, MmqSpec) and s.quant.sub_blocks > 1]
+    super_tiles = [s for s in specs if isinstance(s, MmqSpec) and (s.quant.sub_blocks > 1 or s.quant.codebook)]
     kept = _named_specs() | set(one_each) | set(super_tiles[::SUPER_TILE_EVERY])
     sampled = set(super_tiles) - kept
     sm90 = [s for s in specs if s not in sampled]

@@ -147,20 +147,49 @@ def test_iq4_xs_split_layout_is_what_the_kernels_read(rng, bias):
     assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
 
 
-def test_codebooks_split_as_the_mat_vec_assumes():
-    """quant_iq4_xs.cuh.j2's mat-vec looks an index up in two 8-level halves whose other
-    half's entries read as a sign: -1 from the lower levels, 0 from the upper ones plus 1.
-    That holds only if the lower eight are negative and the upper eight plus 1 fit a
-    positive int8; and the table words must be the levels' bytes."""
-    for q in QUANT_TYPES.values():
-        if not q.codebook:
-            continue
-        v = np.asarray(q.codebook)
-        assert len(v) == 16 and (np.diff(v) > 0).all()
-        assert (v[:8] < 0).all() and (v[8:] + 1 >= 1).all() and (v[8:] + 1 <= 127).all()
-        got = np.asarray(q.codebook_words(), dtype=np.uint32).view(np.int8)
-        assert np.array_equal(got, v.astype(np.int8))
-        assert np.array_equal(np.asarray(q.codebook_words(1), dtype=np.uint32).view(np.int8)[8:], v[8:] + 1)
+def _prmt_signed(a, b, s):
+    """PTX prmt.b32 in its default mode: byte n of the result is byte (bits 0-2 of nibble n
+    of s) of b:a, or, where bit 3 of that nibble is set, that byte's sign repeated."""
+    src = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+    s = np.asarray(s, dtype=np.uint64)
+    out = np.zeros_like(a, dtype=np.uint64)
+    for n in range(4):
+        nib = (s >> np.uint64(4 * n)) & np.uint64(15)
+        byte = (src >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        fill = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= np.where(nib & np.uint64(8), fill, byte) << np.uint64(8 * n)
+    return out.astype(np.uint32)
+
+
+@pytest.mark.parametrize("name", [q.name for q in QUANT_TYPES.values() if q.codebook])
+def test_codebook_split_lookups_sum_to_the_levels(rng, name):
+    """quant_codebook.cuh.j2's mat-vec and int8-tile lookup, word for word: a code looked up
+    as it is in L and with bit 3 flipped in U gives two bytes (one a sign where the table
+    does not hold the code) whose sum is the code's level; the bytes come in the permute's
+    order (4w, 16+4w, 4w+1, 17+4w | 4w+2, ...) and qt_order_x puts x in the same order."""
+    q = quant_type(name)
+    v = np.asarray(q.codebook)
+    L0, L1, U0, U1 = (np.full(64, w, dtype=np.uint32) for w in q.codebook_halves())
+    words = rng.integers(0, 2 ** 32, size=64, dtype=np.uint64).astype(np.uint32)
+    words[0] = 0x76543210
+    words[1] = 0xFEDCBA98                                           # every code once
+    codes = np.stack([(words >> np.uint32(4 * i)) & 15 for i in range(8)], axis=1)   # nibble order
+    flipped = words ^ np.uint32(0x88888888)
+    total = np.zeros((64, 8), dtype=np.int32)
+    for half in range(2):
+        a = _prmt_signed(L0, L1, words >> np.uint32(16 * half))
+        b = _prmt_signed(U0, U1, flipped >> np.uint32(16 * half))
+        total[:, 4 * half:4 * half + 4] = (a.view(np.uint8).view(np.int8).reshape(64, 4).astype(np.int32)
+                                           + b.view(np.uint8).view(np.int8).reshape(64, 4))
+    assert np.array_equal(total, v[codes])
+    # nibble k of word w is value 4w + k // 2 + 16 * (k % 2), as qt_order_x's selectors place x
+    x = rng.integers(-127, 128, size=(32,)).astype(np.int8)
+    xw = x.view(np.uint32)                                          # words 0..7: values 4i..4i+3
+    for w in range(4):
+        lo = _prmt_signed(xw[w:w + 1], xw[4 + w:5 + w], 0x5140).view(np.int8)
+        hi = _prmt_signed(xw[w:w + 1], xw[4 + w:5 + w], 0x7362).view(np.int8)
+        want = [4 * w + k // 2 + 16 * (k % 2) for k in range(8)]
+        assert np.array_equal(np.concatenate([lo, hi]), x[want])
 
 
 def test_bad_k_and_unknown_type_are_named():

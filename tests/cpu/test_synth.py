@@ -94,30 +94,44 @@ def test_bad_arguments(tmp_path):
         preset("llama-7b")
 
 
-@pytest.mark.parametrize("qtype", ["q4_K", "q5_K_M", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q4_K", "q5_K_M", "iq4_xs", "mxfp4_moe"])
 def test_k_quant_model_kernel_numerics_close_to_float(tmp_path, qtype):
     """A model whose every matrix is q4_K (q5_K with q6_K in places; iq4_xs) on the numpy
     backend: the emulation of the kernels (q8_1 activations, integer block dots, the
     super-block scale formulas) stays close to float64 on gguf's dequantized weights, as it
-    does for q4_0. The random tiny iq4_xs model (zero-mean weights, as q6_K's) is chaotic:
-    where two router logits nearly tie, q8_1's rounding swaps an expert and the tokens after
-    it move (mean KL 1.3e-4..3.9e-3 over fifteen models, the median at most 4.3e-4; CPU,
-    2026-11-28), so for it the bar is on the typical token (the median) and the mean only
-    bounds the swaps."""
+    does for q4_0. The random tiny iq4_xs model is chaotic: where two router logits nearly
+    tie, q8_1's rounding swaps an expert and the tokens after it move (mean KL 3.6e-4..4.0e-3
+    over five models, the median 2.3e-4..4.3e-4; CPU, 2026-11-28), so for it the bar is on
+    the typical token (the median) and the mean only bounds the swaps; so too for MXFP4_MOE,
+    whose file is made from float weights (its q8_0 matrices as random blocks are 16 times
+    q4_0's in size, and the logits as peaked: median KL up to 1e-3; from floats 6e-5)."""
     from conftest import kl_per_token
     path = str(tmp_path / "k.gguf")
-    write_qwen3moe(path, preset("tiny-k"), qtype, seed=int(np.random.SeedSequence().entropy % 2**31))
+    write_qwen3moe(path, preset("tiny-k"), qtype, seed=int(np.random.SeedSequence().entropy % 2**31),
+                   source="float" if qtype == "mxfp4_moe" else "blocks")
     toks = np.random.default_rng().integers(0, 512, size=24)
     flt = load_model(path, backend="numpy", numerics="float").logits(toks)
     emu = load_model(path, backend="numpy", numerics="kernel").logits(toks)
     kl = kl_per_token(flt, emu)
     print(f"mean KL {kl.mean():.2e}, median {np.median(kl):.2e}, max {kl.max():.2e}")
     assert np.isfinite(emu).all()
-    if qtype == "iq4_xs":
+    if qtype in ("iq4_xs", "mxfp4_moe"):
         assert np.median(kl) < 1e-3 and kl.mean() < 2e-2
     else:
         assert kl.mean() < 1e-3
     assert np.abs(emu - flt).max() > 0     # the two numerics really differ
+
+
+def test_mxfp4_moe_plan_is_llama_cpps():
+    """MXFP4_MOE: every expert tensor (gate, up, merged gate/up, down) mxfp4, every other
+    matrix q8_0 (the head and the embedding too), the router and norms float32."""
+    for merged in (False, True):
+        plan = tensor_plan(preset("tiny"), "mxfp4_moe", merged_gate_up=merged)
+        types = {name: t for name, _, t in plan}
+        assert {t for name, t in types.items() if "_exps" in name} == {"mxfp4"}
+        assert {t for name, t in types.items() if "_exps" not in name and len(dict((n, s) for n, s, _ in plan)[name]) == 2
+                and "gate_inp" not in name} == {"q8_0"}
+        assert types["blk.0.ffn_gate_inp.weight"] == "f32"
 
 
 def test_float_source_writes_k_quants_of_the_same_model(tmp_path):

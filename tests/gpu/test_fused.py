@@ -69,7 +69,7 @@ def _replay_matches(capture, outs, want):
                 np.testing.assert_array_equal(got.get(), exp)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("merged", [True, False])
@@ -100,7 +100,7 @@ def test_moe_gate_up(rng, qtype, act, bias, merged, n):
         _check_float(got, emu, flt)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("n", [1, 3, 8, 20])
 @pytest.mark.parametrize("merged", [True, False])
 def test_dense_gate_up(rng, qtype, n, merged):
@@ -183,7 +183,7 @@ def test_pdl_chain_in_a_graph_reads_what_the_previous_call_wrote(rng):
     _replay_matches(chain(pdl, outs), outs, want)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("form", ["fused", "fused_bias", "plain"])
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_a_wrong_guess_of_the_ids_changes_no_bit(rng, qtype, form, n):
@@ -257,7 +257,7 @@ def test_ids_written_just_before_each_call_in_a_graph(rng):
 
 
 @pytest.mark.parametrize("qtype,k", [("q4_0", 2048), ("q4_0", 2880), ("q8_0", 2048), ("q8_0", 2880),
-                                     ("iq4_xs", 2048), ("iq4_xs", 2816)])
+                                     ("iq4_xs", 2048), ("iq4_xs", 2816), ("mxfp4", 2880)])
 def test_one_token_default_on_long_rows(rng, qtype, k):
     """The one-token default changes its rows per warp with the block size and k (two or
     three k-units per row): both references, biases and the gpt-oss activation."""
@@ -286,7 +286,8 @@ def test_one_token_default_on_long_rows(rng, qtype, k):
     assert ref.nmse(got, flt) <= NMSE_FLOAT
 
 
-@pytest.mark.parametrize("qtype,k", [("q4_0", 2048), ("q8_0", 2048), ("q4_0", 2880), ("iq4_xs", 2048)])
+@pytest.mark.parametrize("qtype,k", [("q4_0", 2048), ("q8_0", 2048), ("q4_0", 2880), ("iq4_xs", 2048),
+                                     ("mxfp4", 2880)])
 def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng, qtype, k):
     """The model's norms write x's q8_1 themselves (x_q8); the one-token product that reads
     it (experts: waiting first, since the router wrote the ids just before) must compute

@@ -1,7 +1,9 @@
-"""Super-block weights (q4_K, q5_K, q6_K, iq4_xs) on the GPU: every MUL_MAT_ID path against both references,
-and a model whose every matrix is of the type against the numpy backend that emulates the
-kernels (pytest -m gpu; the dense product and the fused gate/up take them in test_mul_mat_id
-and test_fused). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it can."""
+"""Super-block weights (q4_K, q5_K, q6_K, iq4_xs) on the GPU: every MUL_MAT_ID path against
+both references, and a model whose every matrix is of the type against the numpy backend
+that emulates the kernels (pytest -m gpu; the dense product and the fused gate/up take them
+in test_mul_mat_id and test_fused); also the mixes' models (Q5_K_M, iq4_xs with a q6_K
+head, MXFP4_MOE). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it
+can."""
 import numpy as np
 import pytest
 
@@ -102,17 +104,18 @@ def test_embedding_rows_are_ggufs_dequantization(Q, tmp_path):
 def test_model_matches_numpy_kernel_emulation(Q, tmp_path, skewed):
     """A tiny model whose every matrix is of type Q (embedding and head too): prompt pass and
     decode steps on the GPU against the numpy backend's emulation of the kernels."""
-    _model_against_emulation(tmp_path, Q, skewed, flips=FLIPS.get(Q, 0.0))
+    _model_against_emulation(tmp_path, Q, skewed, chaotic=Q in CHAOTIC)
 
 
-# Share of the clear positions whose top-1 may differ. The random tiny iq4_xs model is
-# chaotic: in the numpy emulation itself, a relative 1e-6 perturbation of the norm outputs
-# moves its logits by a mean KL of 4e-5..1.6e-4 (q6_K's 5e-6..2e-5, q4_K's 1e-11; CPU,
-# 2026-11-28), since the float32 sums a q8_1 rounding then flips can swap an expert where
-# two router logits nearly tie. The GPU's float32 sums differ from the emulation's by
-# that much: on an H200 2 of 6 models had one top-1 flip at a clear position (KL <= 5e-4).
-# A kernel that reads iq4_xs wrong moves every position (KL >> 1e-3), which both bounds catch.
-FLIPS = {"iq4_xs": 0.1}
+# Random tiny models of these types are chaotic: in the numpy emulation itself, a relative
+# 1e-6 nudge of the norm outputs moves the logits by a mean KL of 4e-5..1.6e-4 (iq4_xs),
+# 2.5e-5..1.4e-3 (mxfp4_moe of random blocks), against 5e-6..2e-5 for q6_K and 1e-11 for
+# q4_K (CPU, 2026-11-28): where two router logits nearly tie, a q8_1 rounding that the nudge (or the
+# GPU's float32 sums) flips swaps an expert, and the tokens after it move. On an H200 2 of 6
+# iq4_xs models had one top-1 swap at a clear position (KL <= 5e-4). For them a tenth of
+# the clear positions may swap, the median token's KL is held to 1e-3 and the mean to
+# 2e-2; a kernel that reads the format wrong moves every position far past both.
+CHAOTIC = {"iq4_xs", "mxfp4_moe"}
 
 
 def test_q5_k_m_model_matches_numpy_kernel_emulation(tmp_path):
@@ -124,10 +127,18 @@ def test_q5_k_m_model_matches_numpy_kernel_emulation(tmp_path):
 def test_iq4_xs_model_with_a_q6_k_head_matches_numpy_kernel_emulation(tmp_path):
     """iq4_xs with llama.cpp's q6_K head (its IQ4_XS mix keeps attn_v q5_K too: test_q5_k
     covers that type), every tensor run as it is."""
-    _model_against_emulation(tmp_path, "iq4_xs", True, flips=FLIPS["iq4_xs"], output_type="q6_K")
+    _model_against_emulation(tmp_path, "iq4_xs", True, chaotic=True, output_type="q6_K")
 
 
-def _model_against_emulation(tmp_path, qtype, skewed, flips=0.0, **types):
+@pytest.mark.parametrize("skewed", [False, True])
+def test_mxfp4_moe_model_matches_numpy_kernel_emulation(tmp_path, skewed):
+    """llama.cpp's MXFP4_MOE mix on a Qwen3 MoE: the expert products in mxfp4 (gpt-oss's
+    format), every other matrix q8_0, against the numpy backend's emulation; made from float
+    weights (tests/cpu/test_synth.py says why)."""
+    _model_against_emulation(tmp_path, "mxfp4_moe", skewed, chaotic=True, source="float")
+
+
+def _model_against_emulation(tmp_path, qtype, skewed, chaotic=False, **types):
     from conftest import kl_per_token
     from moeforge.synth import preset, write_qwen3moe
     path = str(tmp_path / "k.gguf")
@@ -149,5 +160,11 @@ def _model_against_emulation(tmp_path, qtype, skewed, flips=0.0, **types):
         assert np.isfinite(got).all()
         top = got.argmax(-1) == want.argmax(-1)
         wrong = np.nonzero(~top & clear)[0]
-        assert len(wrong) <= flips * clear.sum(), f"top-1 differs at positions {wrong.tolist()}"
-        assert kl_per_token(want, got).mean() < 1e-3
+        kl = kl_per_token(want, got)
+        print(f"mean KL {kl.mean():.2e}, median {np.median(kl):.2e}, top-1 swaps {wrong.tolist()}")
+        if chaotic:
+            assert len(wrong) <= 0.1 * clear.sum(), f"top-1 differs at positions {wrong.tolist()}"
+            assert np.median(kl) < 1e-3 and kl.mean() < 2e-2
+        else:
+            assert not len(wrong), f"top-1 differs at positions {wrong.tolist()}"
+            assert kl.mean() < 1e-3

@@ -74,7 +74,7 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("E,top_k,m,k,n", GRID)
 def test_every_path_both_references(rng, qtype, E, top_k, m, k, n):
     import cupy as cp
@@ -87,7 +87,7 @@ def test_every_path_both_references(rng, qtype, E, top_k, m, k, n):
         print(f"{choice.path:<10} {choice.spec.name:<34} nmse emu {e_emu:.2e} float {e_flt:.2e}")
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("n", [1, 5, 8, 40])
 def test_per_slot_activations(rng, qtype, n):
     """x of shape (n, top_k, k): each chosen expert gets its own row (the down projection)."""
@@ -101,7 +101,7 @@ def test_per_slot_activations(rng, qtype, n):
         _check(raw, qtype, (E, m, k), x, ids, out)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "mxfp4"])
 def test_default_dispatch_anchor_shape(rng, qtype):
     import moeforge
     E, top_k, m, k = 128, 8, 768, 2048
@@ -111,7 +111,7 @@ def test_default_dispatch_anchor_shape(rng, qtype):
         _check(raw, qtype, (E, m, k), x, ids, out)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "mxfp4"])
 def test_repeated_calls_bitwise_identical(rng, qtype):
     import moeforge
     E, top_k, m, k, n = 64, 8, 192, 512, 300
@@ -149,12 +149,12 @@ def test_streamk_grid_sizes(rng, m, n):
         ops.device_info = real
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 100, 600])
 def test_mul_mat_dense(rng, qtype, n):
     import cupy as cp
     import moeforge
-    m, k = 333, 416 if qtype in ("q4_0", "q8_0") else 768    # K-quants: rows of whole super-blocks
+    m, k = 333, 416 if ref.quant_type(qtype).sub_blocks == 1 else 768    # super-blocks: rows of whole ones
     raw = ref.random_blocks(qtype, m, k, rng)
     w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
     x = rng.standard_normal((n, k)).astype(np.float32)
@@ -275,7 +275,7 @@ def test_launch_forms_change_no_bit(rng, n, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("E,top_k,m,k,n,tx,stages,per_slot", [
     (64, 6, 320, 1024, 16, 8, 2, False), (128, 8, 200, 512, 11, 8, 3, True),
     (32, 4, 136, 288, 97, 16, 2, False), (8, 2, 72, 160, 300, 32, 4, True),
@@ -315,7 +315,7 @@ def test_direct_routing_changes_no_bit(rng, qtype, E, top_k, m, k, n, tx, stages
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("n,top_k,E,m,k", [(1, 8, 128, 2048, 768), (3, 6, 64, 200, 352), (8, 8, 16, 97, 256),
                                            (2, 1, 8, 64, 128), (5, 3, 32, 130, 512)])
 def test_down_product_adding_its_weighted_sum(rng, qtype, n, top_k, E, m, k):
