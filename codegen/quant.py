@@ -51,8 +51,9 @@ class QuantType:
     # (q6_K: its high bits, two scales and a copy of d); 0: the GGUF block's bytes outside
     # qs, shared by its kernel blocks (a super-block's, `super_meta`).
     own_meta_bytes: int = 0
-    # Non-linear formats: the int8 value of each 4-bit index (the i-quants' lattice); empty
-    # where the quant is the value itself (offset by the format's own rule).
+    # Formats whose 4-bit codes stand for levels: the int8 level of each code (iq4_xs's
+    # lattice, mxfp4's doubled e2m1 values); empty where the quant is the value itself
+    # (offset by the format's own rule).
     codebook: tuple[int, ...] = ()
 
     @property
@@ -74,8 +75,8 @@ class QuantType:
         return self.sub_blocks > 1 and not self.own_meta_bytes
 
     def codebook_words(self, bias: int = 0) -> tuple[int, ...]:
-        """The codebook as four little-endian words of bytes value + bias (mod 256): the
-        tables a byte permute looks the indices up in (quant_iq4_xs.cuh.j2)."""
+        """The codebook as four little-endian words of bytes level + bias (mod 256): the
+        table the f16 tiles look a code's level up in (mmf.cu.j2, with bias 128)."""
         b = [(v + bias) & 0xFF for v in self.codebook]
         return tuple(b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, len(b), 4))
 
