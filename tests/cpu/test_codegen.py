@@ -82,7 +82,7 @@ def test_compile_cache_is_keyed_by_source(tmp_path):
 
 
 def test_generate_compiles_every_instance(generated):
-    """For sm_90 the whole space but a sample of the super-block formats' int8 tiles (those
+    """For sm_90 the whole space but a sample of the super-block and codebook formats' int8 tiles (those
     the profiles and defaults name among it); for sm_80 every branch signature of the
     templates and every 32-weight-format mat-vec; fixed samples otherwise
     (conftest.compile_plan), NVRTC only (no GPU, no toolkit)."""
@@ -91,7 +91,7 @@ def test_generate_compiles_every_instance(generated):
     assert summary["failures"] == [], summary["failures"][:3]
     plan = compile_plan()
     assert summary["total"] == sum(len(v) for v in plan.values())
-    sampled = {s for s in SPECS if isinstance(s, MmqSpec) and s.quant.sub_blocks > 1}
+    sampled = {s for s in SPECS if isinstance(s, MmqSpec) and (s.quant.sub_blocks > 1 or s.quant.codebook)}
     assert set(SPECS) - sampled <= set(plan["sm_90"]) and _named_specs() & set(SPECS) <= set(plan["sm_90"])
     assert len(plan["sm_90"]) == len(set(plan["sm_90"]))
     for arch in FULL_ARCHS:
