@@ -32,6 +32,12 @@ def _sign(v: int) -> int:
     return -1 if v < 0 else 0
 
 
+def _words(levels) -> tuple[int, ...]:
+    """int8 levels as little-endian 32-bit words, four a word: a byte permute's table."""
+    b = [v & 0xFF for v in levels]
+    return tuple(b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, len(b), 4))
+
+
 @dataclass(frozen=True)
 class QuantType:
     name: str            # ggml's name: "q4_0", "q4_K"
@@ -77,8 +83,7 @@ class QuantType:
     def codebook_words(self, bias: int = 0) -> tuple[int, ...]:
         """The codebook as four little-endian words of bytes level + bias (mod 256): the
         table the f16 tiles look a code's level up in (mmf.cu.j2, with bias 128)."""
-        b = [(v + bias) & 0xFF for v in self.codebook]
-        return tuple(b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, len(b), 4))
+        return _words(v + bias for v in self.codebook)
 
     def codebook_halves(self) -> tuple[int, int, int, int]:
         """The two tables the mat-vec and the int8 tiles look an index up in
@@ -93,13 +98,12 @@ class QuantType:
             for s_lo, s_hi in ((0, 0), (0, -1), (-1, 0), (-1, -1)):
                 a, b = v[j] - s_hi, v[8 + j] - s_lo
                 if _sign(a) == s_lo and _sign(b) == s_hi and -128 <= a <= 127 and -128 <= b <= 127:
-                    lo.append(a & 0xFF)
-                    hi.append(b & 0xFF)
+                    lo.append(a)
+                    hi.append(b)
                     break
             else:
                 raise ValueError(f"{self.name}: levels {v[j]} and {v[8 + j]} cannot be split by sign")
-        b = lo + hi
-        return tuple(b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, 16, 4))
+        return _words(lo + hi)
 
     @property
     def template(self) -> str:

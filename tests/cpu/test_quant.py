@@ -98,13 +98,16 @@ def test_q5_k_split_layout_is_what_the_kernels_read(rng):
 
 
 def _prmt(a, b, s):
-    """PTX prmt.b32 in its default mode for selectors without sign bits: byte n of the result
-    is byte (nibble n of s) of b:a."""
+    """PTX prmt.b32 in its default mode: byte n of the result is byte (bits 0-2 of nibble n
+    of s) of b:a, or, where bit 3 of that nibble is set, that byte's sign repeated."""
     src = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+    s = np.asarray(s, dtype=np.uint64)
     out = np.zeros_like(a, dtype=np.uint64)
     for n in range(4):
-        sel = (np.asarray(s, dtype=np.uint64) >> np.uint64(4 * n)) & np.uint64(7)
-        out |= ((src >> (sel * np.uint64(8))) & np.uint64(0xFF)) << np.uint64(8 * n)
+        nib = (s >> np.uint64(4 * n)) & np.uint64(15)
+        byte = (src >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        fill = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= np.where(nib & np.uint64(8), fill, byte) << np.uint64(8 * n)
     return out.astype(np.uint32)
 
 
@@ -147,20 +150,6 @@ def test_iq4_xs_split_layout_is_what_the_kernels_read(rng, bias):
     assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
 
 
-def _prmt_signed(a, b, s):
-    """PTX prmt.b32 in its default mode: byte n of the result is byte (bits 0-2 of nibble n
-    of s) of b:a, or, where bit 3 of that nibble is set, that byte's sign repeated."""
-    src = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
-    s = np.asarray(s, dtype=np.uint64)
-    out = np.zeros_like(a, dtype=np.uint64)
-    for n in range(4):
-        nib = (s >> np.uint64(4 * n)) & np.uint64(15)
-        byte = (src >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
-        fill = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
-        out |= np.where(nib & np.uint64(8), fill, byte) << np.uint64(8 * n)
-    return out.astype(np.uint32)
-
-
 @pytest.mark.parametrize("name", [q.name for q in QUANT_TYPES.values() if q.codebook])
 def test_codebook_split_lookups_sum_to_the_levels(rng, name):
     """quant_codebook.cuh.j2's mat-vec and int8-tile lookup, word for word: a code looked up
@@ -177,8 +166,8 @@ def test_codebook_split_lookups_sum_to_the_levels(rng, name):
     flipped = words ^ np.uint32(0x88888888)
     total = np.zeros((64, 8), dtype=np.int32)
     for half in range(2):
-        a = _prmt_signed(L0, L1, words >> np.uint32(16 * half))
-        b = _prmt_signed(U0, U1, flipped >> np.uint32(16 * half))
+        a = _prmt(L0, L1, words >> np.uint32(16 * half))
+        b = _prmt(U0, U1, flipped >> np.uint32(16 * half))
         total[:, 4 * half:4 * half + 4] = (a.view(np.uint8).view(np.int8).reshape(64, 4).astype(np.int32)
                                            + b.view(np.uint8).view(np.int8).reshape(64, 4))
     assert np.array_equal(total, v[codes])
@@ -186,8 +175,8 @@ def test_codebook_split_lookups_sum_to_the_levels(rng, name):
     x = rng.integers(-127, 128, size=(32,)).astype(np.int8)
     xw = x.view(np.uint32)                                          # words 0..7: values 4i..4i+3
     for w in range(4):
-        lo = _prmt_signed(xw[w:w + 1], xw[4 + w:5 + w], 0x5140).view(np.int8)
-        hi = _prmt_signed(xw[w:w + 1], xw[4 + w:5 + w], 0x7362).view(np.int8)
+        lo = _prmt(xw[w:w + 1], xw[4 + w:5 + w], 0x5140).view(np.int8)
+        hi = _prmt(xw[w:w + 1], xw[4 + w:5 + w], 0x7362).view(np.int8)
         want = [4 * w + k // 2 + 16 * (k % 2) for k in range(8)]
         assert np.array_equal(np.concatenate([lo, hi]), x[want])
 
@@ -255,8 +244,18 @@ def test_k_quantizers_write_valid_close_blocks(rng, name, bar):
     blocks to within 4-bit (5-bit) rounding of the input, the 6-bit scale packing is the one
     reference.q4_k_scales (and ggml) reads, all-zero and one-signed rows are fine, and they
     are deterministic."""
-    from moeforge.runtime.quantize import pack_q4_k_scales, quantize
-    q = quant_type(name)
+    from moeforge.runtime.quantize import pack_q4_k_scales
+    _quantizer_writes_close_blocks(rng, quant_type(name), bar)
+    sc, mn = rng.integers(0, 64, size=(2, 7, 8))
+    got_sc, got_mn = ref.q4_k_scales(pack_q4_k_scales(sc, mn))
+    assert np.array_equal(got_sc, sc) and np.array_equal(got_mn, mn)
+
+
+def _quantizer_writes_close_blocks(rng, q, bar):
+    """moeforge's quantizer for q: rows of either sign, all-zero and of any scale quantize
+    deterministically to blocks gguf dequantizes to within bar (relative RMS) of the input,
+    and a k of no whole block is refused. Returns the blocks of the 9 x 768 rows."""
+    from moeforge.runtime.quantize import quantize
     x = (rng.standard_normal((9, 768)) * rng.uniform(0.01, 3.0, size=(9, 1))).astype(np.float32)
     x[1] = 0.0
     x[2] = np.abs(x[2])
@@ -268,11 +267,9 @@ def test_k_quantizers_write_valid_close_blocks(rng, name, bar):
     for row in (0, 2, 3, 4, 8):
         err = np.sqrt(((w[row] - x[row]) ** 2).mean() / (x[row] ** 2).mean())
         assert err < bar, (row, err)
-    sc, mn = rng.integers(0, 64, size=(2, 7, 8))
-    got_sc, got_mn = ref.q4_k_scales(pack_q4_k_scales(sc, mn))
-    assert np.array_equal(got_sc, sc) and np.array_equal(got_mn, mn)
     with pytest.raises(ValueError, match="k=320"):
         quantize(np.ones((2, 320), np.float32), q)
+    return raw
 
 
 def test_iq4_xs_quantizer_writes_valid_close_blocks(rng):
@@ -281,23 +278,9 @@ def test_iq4_xs_quantizer_writes_valid_close_blocks(rng):
     ones, deterministically; every sub-block scale ls - 32 lies in [-32, 31] by construction
     (6 bits), and the sub-block with the super-block's largest scale gets ls = 0."""
     from moeforge.runtime.array_blocks import iq4_xs_parts
-    from moeforge.runtime.quantize import quantize
-    q = quant_type("iq4_xs")
-    x = (rng.standard_normal((9, 768)) * rng.uniform(0.01, 3.0, size=(9, 1))).astype(np.float32)
-    x[1] = 0.0
-    x[2] = np.abs(x[2])
-    x[3] = -np.abs(x[3])
-    raw = quantize(x, q)
-    assert raw.shape == (9, q.row_bytes(768)) and np.array_equal(raw, quantize(x, q))
-    w = gguf.quants.dequantize(raw, q.ggml_type).reshape(x.shape)
-    assert np.isfinite(w).all() and not w[1].any()
-    for row in (0, 2, 3, 4, 8):
-        err = np.sqrt(((w[row] - x[row]) ** 2).mean() / (x[row] ** 2).mean())
-        assert err < 0.12, (row, err)
+    raw = _quantizer_writes_close_blocks(rng, quant_type("iq4_xs"), 0.12)
     _, ls, _ = iq4_xs_parts(raw.reshape(-1, 136))
     assert (ls.reshape(9, 3, 8)[[0, 2, 3, 4, 8]].min(axis=-1) == -32).all()
-    with pytest.raises(ValueError, match="k=320"):
-        quantize(np.ones((2, 320), np.float32), q)
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q8_0"])
