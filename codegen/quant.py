@@ -61,6 +61,10 @@ class QuantType:
     # lattice, mxfp4's doubled e2m1 values); empty where the quant is the value itself
     # (offset by the format's own rule).
     codebook: tuple[int, ...] = ()
+    # Formats whose scale is a power of two beyond f16's range (mxfp4's e8m0 byte): the
+    # f16 tiles hold 2^(e - 128) * level as f16, usable while a tensor's largest scale byte
+    # lies in this range (QuantTensor.f16_fits); None where the scale is an f16.
+    f16_scale_bytes: tuple[int, int] | None = None
 
     @property
     def sub_blocks(self) -> int:
@@ -166,8 +170,10 @@ QUANT_TYPES: dict[str, QuantType] = {
         # are the meta, as they are (quant_iq4_xs.cuh.j2): 4.25 bits a weight.
         QuantType("iq4_xs", gguf.GGMLQuantizationType.IQ4_XS, 256, 136, 8, 16, codebook=IQ4_VALUES),
         # gpt-oss's experts: a block of 32 is an e8m0 scale byte (2^(e - 128) with the levels
-        # doubled) then 16 bytes of 4-bit e2m1 codes in q4_0's order; w = d * MXFP4_VALUES[code]
-        QuantType("mxfp4", gguf.GGMLQuantizationType.MXFP4, 32, 17, 1, 16, codebook=MXFP4_VALUES),
+        # doubled) then 16 bytes of 4-bit e2m1 codes in q4_0's order; w = d * MXFP4_VALUES[code].
+        # In f16: 12 * 2^12 < 65504 (e <= 140), and the largest blocks normal (e >= 114).
+        QuantType("mxfp4", gguf.GGMLQuantizationType.MXFP4, 32, 17, 1, 16, codebook=MXFP4_VALUES,
+                  f16_scale_bytes=(114, 140)),
     )
 }
 _BY_LOWER = {name.lower(): q for name, q in QUANT_TYPES.items()}

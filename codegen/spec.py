@@ -382,7 +382,7 @@ class MmfSpec(KernelSpec):
     ids: bool = True
     wn: int = 1          # warps along the tile's tokens (the others split its rows)
     splits: int = 1      # blocks sharing an output tile's k (partials summed in order by mmf_split_sum)
-    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q4_K", "q5_K", "iq4_xs")
+    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q4_K", "q5_K", "iq4_xs", "mxfp4")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
 
     @property
@@ -412,6 +412,10 @@ class MmfSpec(KernelSpec):
         if self.kblocks not in (2, 4, 8, 16):
             raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
         self._check_whole_super_blocks()
+        if self.kblocks * self.quant.meta_bytes < 4:
+            # a stage's scales are copied 4 bytes at a time at least (mxfp4: one byte a block)
+            raise ValueError(f"{self.name}: a stage must hold 4 scale bytes: kblocks at least "
+                             f"{-(-4 // self.quant.meta_bytes)} for {self.qtype}")
         if self.stages not in (2, 3, 4):
             raise ValueError(f"{self.name}: stages must be 2, 3 or 4")
         if self.splits not in (1, 2, 3, 4):

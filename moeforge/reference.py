@@ -149,15 +149,18 @@ def mul_mat_id_emulated(raw: np.ndarray, qtype, shape, x: np.ndarray, ids: np.nd
 
 def f16_weights(raw: np.ndarray, qtype, rows: int, k: int) -> np.ndarray:
     """Weights as the f16 tensor-core path (MmfSpec) multiplies them: d * (q - offset)
-    rounded once to float16 (the product is exact in float32); K-quants below."""
+    rounded once to float16 (the product is exact in float32); K-quants and the codebook
+    formats below."""
     q = _q(qtype)
     if q.name not in MmfSpec.QTYPES:
         raise ValueError(f"{q.name} has no f16 tiles (MmfSpec.QTYPES)")
     ints, mul, add = _kernel_view(raw, q, rows, k)
     nb = k // 32
-    if q.sub_blocks > 1:
+    if q.sub_blocks > 1 or q.codebook:
         # K-quants: q * f16(d*sc) - f16(dmin*m), rounded once (the kernel's f16 fma); the
-        # float64 value of the exact product and sum is exact, so one cast rounds as fma does
+        # float64 value of the exact product and sum is exact, so one cast rounds as fma does.
+        # Codebook formats: level * f16(scale) (iq4_xs's d*(ls-32), mxfp4's 2^(e-128): zero
+        # past f16's smallest subnormal, as the kernel's conversion of it)
         s = mul.astype(np.float16).astype(np.float64)[..., None]
         mn = add.astype(np.float16).astype(np.float64)[..., None]
         w = ints.reshape(rows, nb, 32).astype(np.float64) * s + mn

@@ -344,7 +344,7 @@ class CudaBackend(CudaMoeOps, Backend):
                 ops.run_mul_mat(w.q, x, out, dispatch.Choice("mmvq", dispatch.default_mmvq(w.qtype, 1, False)),
                                 x_q8=q8)
             else:
-                ops.run_mul_mat(w.q, x, out, dispatch.choose_mul_mat(w.qtype, m, k, n))
+                ops.run_mul_mat(w.q, x, out, dispatch.choose_mul_mat(w.qtype, m, k, n, w.q.f16_fits))
         elif n <= SMALL_N:
             self.kernel("dense_f32")((-(-m // 8), n), (256,), (w.f, x, out, _i32(m), _i32(k)))
         else:

@@ -17,6 +17,7 @@ from ..codegen.quant import quant_type
 from ..codegen.spec import KernelSpec, MmfSpec, MmqSpec, MmvqSpec
 
 PATHS = ("mmvq", "mmq_id", "per_expert", "mmf_id", "mmf")
+F16_PATHS = ("mmf_id", "mmf")
 MMVQ_MAX_TOKENS = 8     # past this the int8 tensor-core tiles win by default
 # Expert mat-vec in routing-table mode stays correct for any n, and with 1-2 tokens per
 # expert (n = 16..32 of 128 experts x top-8) it streams whole weight rows where the
@@ -202,10 +203,18 @@ def _measured_f16(found: Choice | None) -> bool:
     return found is not None and bool({"mmf", "mmf_id"} & set(found.paths))
 
 
-def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
+def _without_f16(found: Choice | None) -> Choice | None:
+    return None if found is not None and found.path in F16_PATHS else found
+
+
+def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int, f16: bool = True) -> Choice:
+    """f16 False (a tensor the f16 tiles cannot hold, QuantTensor.f16_fits): an int8 path,
+    the profile's where it chose one, else the default."""
     from .profiles_hook import lookup
     found = lookup("mul_mat_id", qtype, (E, top_k, m, k), n)
-    if not _measured_f16(found):
+    if not f16:
+        found = _without_f16(found)
+    elif not _measured_f16(found):
         rule = mmf_choice(qtype, n, n * top_k / E)
         if rule is not None:
             return rule
@@ -219,10 +228,12 @@ def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -
     return Choice("mmq_id", default_mmq(qtype, n * top_k / E, ids=True))
 
 
-def choose_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:
+def choose_mul_mat(qtype: str, m: int, k: int, n: int, f16: bool = True) -> Choice:
     from .profiles_hook import lookup
     found = lookup("mul_mat", qtype, (1, 1, m, k), n)
-    if not _measured_f16(found):
+    if not f16:
+        found = _without_f16(found)
+    elif not _measured_f16(found):
         rule = mmf_choice(qtype, n, None, m)
         if rule is not None:
             return rule

@@ -27,6 +27,10 @@ def run_mmf(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, out, glu: bool 
     with ids None the dense out = x @ W^T (w 2-D). Validated operands only."""
     if spec.ids != (ids is not None):
         raise ValueError(f"{spec.name}: {'needs' if spec.ids else 'takes no'} expert ids")
+    if not w.f16_fits:
+        lo, hi = w.quant.f16_scale_bytes
+        raise ValueError(f"{spec.name}: the {w.qtype} weights' largest scale byte lies outside [{lo}, {hi}], "
+                         f"past what f16 holds: run them on the int8 tiles (dispatch does, given f16_fits)")
     m = w.shape[-2]
     xh, kp = x_to_f16(spec, x2d, glu)
     if ids is not None:

@@ -69,7 +69,7 @@ class CudaMoeOps:
             # router: its quantizer may release the product at once (ops._mmvq)
             settled = self._waited_ids == (ids.data.ptr, x.data.ptr)
             self._waited_ids = None
-            ops.run_mul_mat_id(w.q, x, ids, out, dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n),
+            ops.run_mul_mat_id(w.q, x, ids, out, dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n, w.q.f16_fits),
                                ids_settled=settled)
             return out
         # float experts: test models only (a warp per output, no tensor cores)
@@ -88,7 +88,7 @@ class CudaMoeOps:
         if w.q is None or n > dispatch.MMVQ_MAX_TOKENS:
             if self.fuse_glu_quant and L.gate_up is not None and w.q is not None and L.down.q is not None:
                 E, m, k = L.down.shape
-                choice = dispatch.choose_mul_mat_id(L.down.qtype, E, top_k, m, k, n)
+                choice = dispatch.choose_mul_mat_id(L.down.qtype, E, top_k, m, k, n, L.down.q.f16_fits)
                 if choice.path in ops.GLU_PATHS:
                     return GluProducts(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), choice)
             return super().expert_gate_up(L, x, ids, name)

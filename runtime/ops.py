@@ -407,7 +407,7 @@ def mul_mat_id(w: QuantTensor, x, ids, *, weights=None, out=None, choice: dispat
     lo, hi = (int(v) for v in cp.stack([ids.min(), ids.max()]).get())
     if lo < 0 or hi >= E:
         raise ValueError(f"ids holds values in [{lo}, {hi}], outside [0, {E}) for w with {E} experts")
-    choice = choice or dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n)
+    choice = choice or dispatch.choose_mul_mat_id(w.qtype, E, top_k, m, k, n, w.f16_fits)
     run_mul_mat_id(w, x, ids, out, choice, weights=weights)
     return out
 
@@ -443,5 +443,5 @@ def mul_mat(w: QuantTensor, x, *, out=None, choice: dispatch.Choice | None = Non
     out = _check_out(out, (n, m), dev) if out is not None else cp.empty((n, m), dtype=cp.float32)
     if n == 0:
         return out
-    run_mul_mat(w, x, out, choice or dispatch.choose_mul_mat(w.qtype, m, k, n))
+    run_mul_mat(w, x, out, choice or dispatch.choose_mul_mat(w.qtype, m, k, n, w.f16_fits))
     return out

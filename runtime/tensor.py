@@ -160,6 +160,20 @@ class QuantTensor:
         self.buffer = buffer
         self.qs_offset = 0
         self.meta_offset = self._meta_offset(self.rows, self.nb, quant)
+        self.f16_fits = self._f16_fits()
+
+    def _f16_fits(self) -> bool:
+        """Whether the f16 tiles (MmfSpec) can hold these weights: always for formats with f16
+        scales; for an e8m0 scale (mxfp4) while the largest scale byte lies in the format's
+        range (QuantType.f16_scale_bytes: no weight past 65504, the largest blocks normal
+        f16 numbers). Blocks far below the largest round as f16 subnormals, as any weights
+        converted to f16 do. Read once, here (meta padding is zeros: it never raises the
+        maximum), so that dispatch needs no host read."""
+        window = self.quant.f16_scale_bytes
+        if window is None:
+            return True
+        top = int(self.buffer[self.meta_offset:self.meta_offset + self.rows * self.meta_stride].max())
+        return window[0] <= top <= window[1]
 
     @staticmethod
     def _meta_offset(rows: int, nb: int, q: QuantType) -> int:

@@ -13,6 +13,7 @@ from moeforge.codegen.spec import KernelSpec, MmfSpec
     (dict(y=96, warps=4), "row warps"),
     (dict(kblocks=3), "kblocks"),
     (dict(stages=5), "stages"),
+    (dict(qtype="mxfp4", kblocks=2), "4 scale bytes"),
 ])
 def test_spec_refuses_what_cannot_be_built(kw, msg):
     base = dict(qtype="q4_0", x=64, y=128, warps=8, kblocks=4, stages=3)
@@ -53,7 +54,73 @@ def test_q4_k_f16_weights_round_the_scales_then_the_fma(rng):
     assert np.abs(got.astype(np.float32) - gguf_w).max() <= 4e-3 * np.abs(gguf_w).max()
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K"])
+def _mxfp4_blocks(rng, rows, k, scale_bytes):
+    raw = ref.random_blocks("mxfp4", rows, k, rng).reshape(rows, k // 32, 17)
+    raw[:, :, 0] = rng.choice(np.asarray(scale_bytes, dtype=np.uint8), size=raw.shape[:2])
+    return raw.reshape(rows, -1)
+
+
+def test_mxfp4_f16_weights_are_the_level_times_the_scale_as_f16(rng):
+    """mxfp4 in f16: the level (an integer, exact) times the scale 2^(e - 128) converted to
+    f16 (the kernel's cvt of the float32 scale: subnormal below 2^-14, zero below 2^-25),
+    the product rounded once. Where the scale itself is an f16 that is gguf's weight
+    rounded once; below it the block is gone, as the kernel's is."""
+    rows, k = 16, 256
+    raw = _mxfp4_blocks(rng, rows, k, range(95, 141))
+    got = ref.f16_weights(raw, "mxfp4", rows, k)
+    blocks = raw.reshape(rows, k // 32, 17)
+    e = np.repeat(blocks[:, :, 0].astype(np.int64), 32, axis=1)
+    codes = np.concatenate([blocks[:, :, 1:] & 15, blocks[:, :, 1:] >> 4], axis=-1).reshape(rows, k)
+    level = np.asarray(ref.quant_type("mxfp4").codebook, dtype=np.float16)[codes]
+    scale16 = np.ldexp(np.ones_like(e, dtype=np.float64), e - 128).astype(np.float16)
+    np.testing.assert_array_equal(got, (level * scale16).astype(np.float16))
+    gguf_w = ref.dequantize(raw, "mxfp4", (rows, k))
+    exact = e >= 104                                     # 2^(e-128) is an f16
+    np.testing.assert_array_equal(got[exact], gguf_w[exact].astype(np.float16))
+    assert (got[e < 103] == 0).all() and (got[e >= 114] != 0).any()
+
+
+def test_mxfp4_tensors_say_whether_their_scales_fit_f16(rng):
+    """QuantTensor.f16_fits, read from the meta bytes on the host as on the device: the
+    largest scale byte in [114, 140] (no weight past 65504, the largest blocks normal)."""
+    from moeforge.codegen.quant import quant_type
+    from moeforge.runtime.tensor import QuantTensor, split_blocks
+    q = quant_type("mxfp4")
+    rows, k = 6, 96
+
+    def tensor(raw, qt=q):
+        qs, meta = split_blocks(raw.reshape(rows, -1), qt, rows, k)
+        off = QuantTensor._meta_offset(rows, qt.blocks_per_row(k), qt)
+        buf = np.zeros(off + meta.size, dtype=np.uint8)
+        buf[:qs.size], buf[off:] = qs.reshape(-1), meta.reshape(-1)
+        return QuantTensor(buf, qt, (rows, k))
+
+    assert tensor(ref.random_blocks("mxfp4", rows, k, rng)).f16_fits
+    for top, fits in ((140, True), (141, False), (114, True), (113, False)):
+        raw = _mxfp4_blocks(rng, rows, k, [100, 104, 110])
+        raw.reshape(rows, -1, 17)[rng.integers(rows), rng.integers(k // 32), 0] = top
+        assert tensor(raw).f16_fits == fits, top
+    assert tensor(ref.random_blocks("q4_0", rows, k, rng), quant_type("q4_0")).f16_fits
+
+
+def test_an_mxfp4_tensor_past_f16_takes_the_int8_tiles(monkeypatch):
+    """choose(..., f16=False): never the f16 tiles, neither the rule's nor a profile's."""
+    from moeforge.runtime import dispatch, profiles_hook
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 132)
+    monkeypatch.delenv("MOEFORGE_MMF", raising=False)
+    shape = (32, 4, 2880, 2880)
+    assert dispatch.choose_mul_mat_id("mxfp4", *shape, 4096).path == "mmf_id"
+    assert dispatch.choose_mul_mat_id("mxfp4", *shape, 4096, f16=False).path == "mmq_id"
+    assert dispatch.choose_mul_mat("mxfp4", 2880, 2880, 1024).path == "mmf"
+    assert dispatch.choose_mul_mat("mxfp4", 2880, 2880, 1024, f16=False).path == "mmq"
+    tuned = dispatch.Choice("mmf_id", MmfSpec("mxfp4", 128, 128, 4, 4, 2), "profile", ("mmq_id", "mmf_id"))
+    monkeypatch.setattr(profiles_hook, "lookup", lambda *a: tuned)
+    assert dispatch.choose_mul_mat_id("mxfp4", *shape, 4096) == tuned
+    assert dispatch.choose_mul_mat_id("mxfp4", *shape, 4096, f16=False).path == "mmq_id"
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "mxfp4"])
 def test_f16_emulation_is_closer_to_float64_than_q8_1(rng, qtype):
     E, m, k, n, top_k = 8, 48, 256, 19, 2
     raw = ref.random_blocks(qtype, E * m, k, rng)

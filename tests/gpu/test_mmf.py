@@ -1,8 +1,10 @@
 """The f16 tensor-core path (MmfSpec), dense and MUL_MAT_ID, against both references:
 float64 on dequantized weights and the emulation of its own f16 rounding (pytest -m gpu).
 q4_K's and q5_K's weights are q * f16(d*sc) - f16(dmin*m) rounded once, iq4_xs's level *
-f16(d*(ls-32)); their stages hold whole super-blocks (kblocks at least 8) and their rows
-whole super-blocks (k rounded up to 256)."""
+f16(d*(ls-32)), mxfp4's level * f16(2^(e-128)) (tensors whose largest scale keeps every
+weight in f16's range: others are refused, and dispatch gives them the int8 tiles); the
+K-quants' stages hold whole super-blocks (kblocks at least 8) and their rows whole
+super-blocks (k rounded up to 256)."""
 import dataclasses
 
 import numpy as np
@@ -26,7 +28,7 @@ SPECS = [  # (x, y, warps, kblocks, stages, warps along the tokens, blocks shari
 def _spec(qtype, ids, x, y, warps, kblocks, stages, wn=1, splits=1):
     from moeforge.codegen.spec import MmfSpec
     from moeforge.codegen.quant import quant_type
-    whole = quant_type(qtype).whole_kblocks(kblocks)
+    whole = max(quant_type(qtype).whole_kblocks(kblocks), -(-4 // quant_type(qtype).meta_bytes))  # 4 scale bytes a stage
     if whole != kblocks:
         # a K-quant stage holds whole super-blocks; three stages of them at 128 tokens would
         # not fit an SM (264 KiB: the launch refuses it), two do
@@ -63,7 +65,7 @@ def _compare(got, emu, flt):
     assert e_flt <= NMSE_FLOAT, f"NMSE vs float64 {e_flt:.3e}"
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("E,top_k,m,k,n,skew,per_slot", [
     (8, 2, 96, 256, 33, False, False), (32, 4, 200, 416, 77, True, False), (128, 8, 72, 160, 300, True, False),
@@ -90,7 +92,7 @@ def test_mul_mat_id(rng, qtype, spec_i, E, top_k, m, k, n, skew, per_slot):
              ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids))
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("m,k,n", [(200, 416, 77), (5120 // 8, 2048, 512), (72, 96, 9)])
 def test_mul_mat(rng, qtype, spec_i, m, k, n):
@@ -147,3 +149,34 @@ def test_refuses_mismatched_routing():
     x = cp.ones((4, 64), dtype=cp.float32)
     with pytest.raises(ValueError, match="needs expert ids"):
         run_mmf(_spec("q4_0", True, 32, 64, 4, 4, 3), w, x, None, 1, cp.empty((4, 64), dtype=cp.float32))
+
+
+def test_mxfp4_past_f16_runs_on_the_int8_tiles(rng, monkeypatch):
+    """An mxfp4 tensor with one block scaled past f16's range (2^13 * 12 > 65504): the f16
+    launch refuses it before any kernel runs, and the default dispatch, which would take the
+    f16 tiles at this size, runs the int8 tiles: right against both of their references.
+    Also a scale below the window (largest blocks subnormal in f16)."""
+    import cupy as cp
+    import moeforge
+    from moeforge.runtime import dispatch, ops
+    from moeforge.runtime.dispatch import Choice
+    monkeypatch.delenv("MOEFORGE_MMF", raising=False)
+    E, top_k, m, k, n = 8, 2, 64, 256, 1024          # 256 tokens an expert: the f16 rule's size
+    for scale_byte in (141, 112):
+        raw = ref.random_blocks("mxfp4", E * m, k, rng)
+        if scale_byte < 114:
+            raw.reshape(E * m, -1, 17)[:, :, 0] -= 10        # every block 2^-10 smaller
+        raw.reshape(E * m, -1, 17)[5, 3, 0] = scale_byte
+        w = moeforge.QuantTensor.from_blocks(raw, "mxfp4", (E, m, k))
+        assert not w.f16_fits
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        ids = _ids(rng, n, E, top_k, False)
+        assert dispatch.choose_mul_mat_id("mxfp4", E, top_k, m, k, n).path == "mmf_id"
+        with pytest.raises(ValueError, match="largest scale byte"):
+            ops.run_mul_mat_id(w, cp.asarray(x), cp.asarray(ids), cp.empty((n, top_k, m), dtype=cp.float32),
+                               Choice("mmf_id", _spec("mxfp4", True, 128, 128, 4, 4, 2)))
+        got = moeforge.mul_mat_id(w, cp.asarray(x), cp.asarray(ids)).get()
+        assert np.isfinite(got).all()
+        emu = ref.mul_mat_id_emulated(raw, "mxfp4", (E, m, k), x, ids)          # q8_1: the int8 tiles
+        assert ref.nmse(got, emu) <= NMSE_EMULATED
+        assert ref.nmse(got, ref.mul_mat_id_float(ref.dequantize(raw, "mxfp4", (E, m, k)), x, ids)) <= NMSE_FLOAT
