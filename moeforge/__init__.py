@@ -9,7 +9,7 @@ from .tuning import activate as _activate  # noqa: E402
 # Dispatch asks this for the per-GPU profile; it reads nothing until the first product runs.
 _activate.install()
 
-__all__ = ["QuantTensor", "load_model", "mul_mat", "mul_mat_id", "moe_gate_up", "gate_up", "__version__"]
+__all__ = ["QuantTensor", "Sampling", "load_model", "mul_mat", "mul_mat_id", "moe_gate_up", "gate_up", "__version__"]
 
 
 def __getattr__(name):
@@ -17,4 +17,7 @@ def __getattr__(name):
     if name == "load_model":
         from .runtime.model import load_model
         return load_model
+    if name == "Sampling":
+        from .runtime.sampling import Sampling
+        return Sampling
     raise AttributeError(f"module 'moeforge' has no attribute {name!r}")

@@ -14,6 +14,7 @@ import numpy as np
 from . import arch_qwen3moe, graph_qwen3moe
 from .convert import note
 from .gguf_file import GGUFError, GGUFFile
+from .sampling import Sampler, Sampling
 
 ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe)}
 BACKENDS = ("cuda", "numpy")
@@ -110,21 +111,42 @@ class Model:
         self.reset(max(ids.size, 1))
         return self.eval(ids)
 
-    def generate(self, prompt_ids, n: int) -> list[int]:
-        """Greedy: the n tokens that follow the prompt."""
+    def generate(self, prompt_ids, n: int, sampling: Sampling | None = None, *, stop=(),
+                 on_token=None) -> list[int]:
+        """Up to n tokens that follow the prompt: greedy, or drawn as `sampling` says
+        (runtime.sampling: llama.cpp's chain; a seed repeats a run). A token in `stop` (the
+        model's end-of-generation ids: `eos_ids`) ends it and is not returned. on_token(id)
+        is called as each token is chosen (streaming)."""
         ids = self._check_tokens(prompt_ids)
         if ids.size == 0:
             raise ValueError("the prompt must hold at least one token")
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        choose = Sampler(sampling)
+        stop = {int(t) for t in stop}
         self.reset(ids.size + n)
-        last = self.eval(ids, last_only=True)[-1]
-        out = []
+        last = self.eval(ids, last_only=True)[-1] if n else None
+        history, out = [int(t) for t in ids], []
         for _ in range(n):
-            tok = int(np.argmax(last))
+            tok = choose(last, history)
+            if tok in stop:
+                break
             out.append(tok)
+            history.append(tok)
+            if on_token is not None:
+                on_token(tok)
             if len(out) == n:
                 break
             last = self.eval([tok])[-1]
         return out
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The tokens that end a generation, from the GGUF metadata (end of sequence, end of
+        turn), as llama.cpp stops on them."""
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        found = (self.file.get(k, kind=int) for k in keys)
+        return tuple(dict.fromkeys(int(v) for v in found if v is not None and v < self.hp.n_vocab))
 
     def perplexity(self, token_ids, ctx: int = 512) -> dict:
         """llama.cpp's recipe: chunks of ctx tokens, each in a fresh context, scoring only

@@ -1,0 +1,90 @@
+"""Choosing the next token from the logits, as llama.cpp's default sampler chain does:
+repetition penalty, then top-k, top-p and min-p (each on the probabilities of what the step
+before kept, at temperature 1), then the temperature, then a draw. Temperature 0 is greedy.
+
+On the host, in float64: one row of logits a step, far from the time of a forward pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0    # 0: greedy (the argmax after the penalty); llama.cpp's default is 0.8
+    top_k: int = 40             # 0: off
+    top_p: float = 0.95         # 1: off
+    min_p: float = 0.05         # 0: off; relative to the most probable token
+    repeat_penalty: float = 1.0  # 1: off; llama.cpp's: positive logits divided, negative multiplied
+    repeat_last_n: int = 64     # how many of the latest tokens the penalty looks at
+    seed: int | None = None     # None: a fresh draw every run
+
+    def check(self) -> "Sampling":
+        def bad(field, want):
+            raise ValueError(f"sampling {field}={getattr(self, field)!r}: must be {want}")
+        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+            bad("temperature", "a finite number >= 0")
+        if self.top_k < 0:
+            bad("top_k", ">= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if not (np.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            bad("repeat_penalty", "a finite number > 0")
+        if self.repeat_last_n < 0:
+            bad("repeat_last_n", ">= 0")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def penalize(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
+    """llama.cpp's repetition penalty: each distinct recent token's logit divided by the
+    penalty where positive, multiplied where not (once, however often it occurred)."""
+    out = np.array(logits, dtype=np.float64)
+    if penalty != 1.0 and len(recent):
+        ids = np.unique(np.asarray(recent, dtype=np.int64))
+        v = out[ids]
+        out[ids] = np.where(v > 0, v / penalty, v * penalty)
+    return out
+
+
+def candidates(logits: np.ndarray, s: Sampling) -> np.ndarray:
+    """The token ids top-k, top-p and min-p keep, most probable first (at least one)."""
+    order = np.argsort(-logits, kind="stable")
+    if s.top_k:
+        order = order[:s.top_k]
+    z = logits[order]
+    p = np.exp(z - z[0])
+    p /= p.sum()
+    if s.top_p < 1:
+        # the shortest run whose probability reaches top_p
+        keep = int(np.searchsorted(np.cumsum(p), s.top_p)) + 1
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    if s.min_p > 0:
+        order = order[p >= s.min_p * p[0]]
+    return order
+
+
+class Sampler:
+    """One generation's draws: seeded once, so that a seed gives the same tokens every run."""
+
+    def __init__(self, settings: Sampling | None = None):
+        self.s = (settings or Sampling()).check()
+        self.rng = np.random.default_rng(self.s.seed)
+
+    def __call__(self, logits: np.ndarray, history=()) -> int:
+        s = self.s
+        recent = list(history)[-s.repeat_last_n:] if s.repeat_last_n else []
+        z = penalize(logits, recent, s.repeat_penalty)
+        if s.greedy:
+            return int(np.argmax(z))
+        keep = candidates(z, s)
+        t = z[keep] / s.temperature
+        p = np.exp(t - t.max())
+        return int(keep[self.rng.choice(keep.size, p=p / p.sum())])

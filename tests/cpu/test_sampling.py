@@ -1,0 +1,136 @@
+"""Sampling the next token (runtime.sampling) and generation with it, on the CPU."""
+import numpy as np
+import pytest
+
+from moeforge.runtime.sampling import Sampler, Sampling, candidates, penalize
+
+OFF = dict(top_k=0, top_p=1.0, min_p=0.0)     # every filter off
+
+
+def _draws(logits, settings, count):
+    s = Sampler(settings)
+    return np.bincount([s(logits) for _ in range(count)], minlength=logits.size)
+
+
+def test_greedy_is_the_argmax_after_the_penalty(rng):
+    z = rng.standard_normal(300) * 0.1
+    a, b = rng.choice(300, size=2, replace=False)
+    z[a], z[b] = 3.0, 2.5
+    assert Sampler()(z) == a                                      # temperature 0 by default
+    assert Sampler(Sampling(repeat_penalty=2.0))(z, history=[a]) == b     # 3.0 / 2 < 2.5
+
+
+def test_penalty_is_llama_cpps_once_per_distinct_token():
+    z = np.array([2.0, -2.0, 1.0, 0.0])
+    got = penalize(z, [0, 1, 0, 0, 3], 1.25)
+    np.testing.assert_array_equal(got, [1.6, -2.5, 1.0, 0.0])
+    np.testing.assert_array_equal(penalize(z, [0, 1], 1.0), z)
+    # only the last repeat_last_n tokens count
+    s = Sampler(Sampling(repeat_penalty=100.0, repeat_last_n=2))
+    assert s(np.array([5.0, 4.0, 0.0]), history=[0, 2, 2]) == 0
+    assert s(np.array([5.0, 4.0, 0.0]), history=[2, 0, 2]) == 1
+
+
+def test_filters_keep_what_llama_cpp_keeps():
+    z = np.log(np.array([0.05, 0.4, 0.3, 0.15, 0.1]))
+    assert candidates(z, Sampling(**{**OFF, "top_k": 2})).tolist() == [1, 2]
+    # the shortest most-probable run reaching top_p: 0.4 + 0.3 = 0.7 < 0.75, + 0.15 reaches it
+    assert candidates(z, Sampling(**{**OFF, "top_p": 0.75})).tolist() == [1, 2, 3]
+    assert candidates(z, Sampling(**{**OFF, "top_p": 0.7})).tolist() == [1, 2]
+    # min_p against the most probable: 0.3 * 0.4 = 0.12 keeps 0.4, 0.3, 0.15
+    assert candidates(z, Sampling(**{**OFF, "min_p": 0.3})).tolist() == [1, 2, 3]
+    assert candidates(z, Sampling(**{**OFF, "top_p": 1e-9})).tolist() == [1]       # at least one
+    # in the chain's order: top_k first, then top_p on the renormalised rest
+    assert candidates(z, Sampling(**{**OFF, "top_k": 3, "top_p": 0.5})).tolist() == [1, 2]
+
+
+def test_draws_follow_the_softmax_at_the_temperature(rng):
+    z = rng.standard_normal(6) * 1.5
+    n = 40000
+    for temp in (1.0, 0.5):
+        p = np.exp(z / temp - (z / temp).max())
+        p /= p.sum()
+        got = _draws(z, Sampling(temperature=temp, seed=int(rng.integers(2**31)), **OFF), n) / n
+        sigma = np.sqrt(p * (1 - p) / n)
+        assert (np.abs(got - p) <= 6 * sigma + 1e-12).all(), (temp, got, p)
+
+
+def test_filtered_tokens_are_never_drawn(rng):
+    z = rng.standard_normal(50) * 2
+    s = Sampling(temperature=1.5, top_k=10, top_p=0.8, min_p=0.1, seed=int(rng.integers(2**31)))
+    keep = set(candidates(z, s).tolist())
+    counts = _draws(z, s, 3000)
+    assert set(np.nonzero(counts)[0].tolist()) <= keep and len(keep) < 10
+
+
+def test_a_seed_repeats_a_run_and_another_seed_does_not(rng):
+    z = np.zeros(1000)                         # flat: every draw is a fresh choice
+    seed = int(rng.integers(2**31))
+    a = _draws(z, Sampling(temperature=1.0, seed=seed, **OFF), 200)
+    b = _draws(z, Sampling(temperature=1.0, seed=seed, **OFF), 200)
+    c = _draws(z, Sampling(temperature=1.0, seed=seed + 1, **OFF), 200)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(min_p=-0.5), "min_p"), (dict(repeat_penalty=0.0), "repeat_penalty"),
+    (dict(repeat_last_n=-2), "repeat_last_n"),
+])
+def test_bad_settings_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"sampling {field}="):
+        Sampler(Sampling(**kw))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from moeforge.runtime.model import load_model
+    from moeforge.synth import preset, write_qwen3moe
+    path = str(tmp_path_factory.mktemp("sample") / "t.gguf")
+    write_qwen3moe(path, preset("tiny"), "q8_0", seed=3)
+    return path, load_model(path, backend="numpy")
+
+
+def test_generate_samples_streams_and_stops(tiny, rng):
+    path, m = tiny
+    prompt = rng.integers(0, 512, size=7)
+    hot = Sampling(temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, seed=int(rng.integers(2**31)))
+    seen = []
+    a = m.generate(prompt, 12, hot, on_token=seen.append)
+    assert len(a) == 12 and seen == a
+    assert m.generate(prompt, 12, hot) == a                           # the seed repeats it
+    greedy = m.generate(prompt, 6)
+    assert m.generate(prompt, 6, Sampling(temperature=0.0)) == greedy
+    # a stop token ends generation and is not returned
+    assert m.generate(prompt, 6, stop=[greedy[0]]) == []
+    cut = next((i for i in range(1, 6) if greedy[i] not in greedy[:i]), None)
+    if cut is not None:
+        assert m.generate(prompt, 6, stop=[greedy[cut]]) == greedy[:cut]
+    assert m.generate(prompt, 0) == []
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        m.generate(prompt, -1)
+    # the synthetic vocabulary's end of turn, as a real Qwen3 file names it
+    assert m.eos_ids and all(0 <= t < m.hp.n_vocab for t in m.eos_ids)
+
+
+def test_run_command_samples_with_a_seed(tiny, capsys):
+    pytest.importorskip("tokenizers")
+    from moeforge.cli import main
+    path, _ = tiny
+    args = ["run", path, "-p", "Once upon", "-n", "8", "--backend", "numpy", "--temp", "0.9", "--seed", "7",
+            "--ignore-eos"]
+    assert main(args) == 0
+    first = capsys.readouterr()
+    assert main(args) == 0
+    again = capsys.readouterr()
+    assert first.out == again.out and first.out.startswith("Once upon")
+    assert "prompt" in first.err and "generated 8 tokens" in first.err
+    with pytest.raises(SystemExit, match="top_p"):      # refused before the model is read
+        main(["run", "/nonexistent.gguf", "-p", "x", "--top-p", "0"])
+
+
+def test_sampling_is_exported_lazily():
+    import moeforge
+    assert moeforge.Sampling is Sampling and "Sampling" in moeforge.__all__
