@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 # synth.TYPES, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
 SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe", "f16", "f32")
@@ -69,46 +68,6 @@ def _cmd_perplexity(args) -> int:
     return 0
 
 
-def _cmd_run(args) -> int:
-    from .runtime.sampling import Sampling
-    try:   # bad settings are named before the model loads
-        sampling = Sampling(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                            seed=args.seed).check()
-    except ValueError as e:
-        raise SystemExit(f"moeforge run: {e}") from None
-    model = _load(args)
-    tok = model.tokenizer
-    ids = tok.encode(args.prompt)
-    if not ids:
-        raise SystemExit("moeforge run: the prompt encodes to no tokens")
-    out, shown, first = [], "", []
-    sys.stdout.write(args.prompt)
-
-    def stream(t: int) -> None:
-        # decode the whole continuation and print what is new: a character may span tokens
-        nonlocal shown
-        if not first:
-            first.append(time.perf_counter())
-        out.append(t)
-        text = tok.decode(out)
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-
-    t0 = time.perf_counter()
-    model.generate(ids, args.n, sampling, stop=() if args.ignore_eos else model.eos_ids, on_token=stream)
-    t1 = time.perf_counter()
-    sys.stdout.write(tok.decode(out)[len(shown):] + "\n")
-    # as llama.cpp reports: the prompt pass (to the first token), then the tokens after it
-    tp = (first[0] if first else t1) - t0
-    rate = lambda k, s: f"{k / s:.1f} t/s" if s > 0 and k else "-"  # noqa: E731
-    print(f"moeforge run: prompt {len(ids)} tokens in {tp:.3f} s ({rate(len(ids), tp)}), "
-          f"generated {len(out)} tokens ({rate(len(out) - 1, t1 - t0 - tp)} after the first)", file=sys.stderr)
-    return 0
-
-
 def _cmd_bench_model(args) -> int:
     from .bench_model import main
     return main(args)
@@ -154,24 +113,8 @@ def add_commands(sub) -> None:
     _attn_precision_arg(p)
     p.set_defaults(func=_cmd_perplexity)
 
-    r = sub.add_parser("run", help="complete a prompt (greedy, or sampled as llama.cpp samples)")
-    r.add_argument("model", metavar="MODEL.gguf")
-    r.add_argument("-p", "--prompt", required=True)
-    r.add_argument("-n", type=int, default=32, help="tokens to generate at most (default 32)")
-    r.add_argument("--temp", type=float, default=0.0,
-                   help="temperature; 0 (the default) is greedy; llama.cpp's default is 0.8")
-    r.add_argument("--top-k", type=int, default=40, help="keep the k most probable tokens (0: off; default 40)")
-    r.add_argument("--top-p", type=float, default=0.95, help="keep the most probable tokens up to this mass "
-                   "(1: off; default 0.95)")
-    r.add_argument("--min-p", type=float, default=0.05, help="drop tokens less probable than this fraction of the "
-                   "most probable (0: off; default 0.05)")
-    r.add_argument("--repeat-penalty", type=float, default=1.0, help="llama.cpp's repetition penalty (1: off)")
-    r.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back at (default 64)")
-    r.add_argument("--seed", type=int, default=None, help="seed of the draws (default: a fresh one every run)")
-    r.add_argument("--ignore-eos", action="store_true", help="generate n tokens even past end of generation")
-    r.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
-    _attn_precision_arg(r)
-    r.set_defaults(func=_cmd_run)
+    from .cli_run import add_run_command
+    add_run_command(sub)
 
     b = sub.add_parser("bench-model", help="model speed in llama-bench's table (also: moeforge bench MODEL.gguf)")
     b.add_argument("model", metavar="MODEL.gguf")

@@ -11,6 +11,9 @@ import numpy as np
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKEN_NORMAL, TOKEN_CONTROL = 1, 3
+# ChatML, the turn format of Qwen's models (their files carry a longer template of it)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def byte_alphabet() -> list[str]:
@@ -79,3 +82,4 @@ def add_tokenizer(writer, n_vocab: int, seed: int = 0) -> None:
     writer.add_pad_token_id(eot)
     writer.add_bos_token_id(eot)              # <|endoftext|>, as Qwen3's files say
     writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)

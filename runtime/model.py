@@ -148,6 +148,30 @@ class Model:
         found = (self.file.get(k, kind=int) for k in keys)
         return tuple(dict.fromkeys(int(v) for v in found if v is not None and v < self.hp.n_vocab))
 
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, **variables) -> list[int]:
+        """The token ids of `messages` in the file's chat template (runtime.chat), ending in
+        the assistant's turn; `variables` reach the template (Qwen3: enable_thinking=False)."""
+        from .chat import render
+        template = self.file.get("tokenizer.chat_template")
+        if not isinstance(template, str) or not template.strip():
+            raise ValueError(f"{self.path}: the file has no chat template (tokenizer.chat_template); "
+                             f"give the prompt text itself")
+        tokens = self.file.get("tokenizer.ggml.tokens") or []
+        name = lambda i: tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""  # noqa: E731
+        text = render(template, messages, add_generation_prompt=add_generation_prompt,
+                      bos_token=name(self.file.get("tokenizer.ggml.bos_token_id")),
+                      eos_token=name(self.file.get("tokenizer.ggml.eos_token_id")), **variables)
+        # the template writes the special tokens it wants: no BOS added (as Hugging Face's)
+        return self.tokenizer.encode(text, add_bos=False)
+
+    def chat(self, messages, n: int = 512, sampling: Sampling | None = None, *, on_token=None,
+             **variables) -> str:
+        """The assistant's reply to `messages` (a list of {'role', 'content'}), at most n
+        tokens, ended by the file's end-of-turn token."""
+        out = self.generate(self.chat_prompt(messages, **variables), n, sampling, stop=self.eos_ids,
+                            on_token=on_token)
+        return self.tokenizer.decode(out)
+
     def perplexity(self, token_ids, ctx: int = 512) -> dict:
         """llama.cpp's recipe: chunks of ctx tokens, each in a fresh context, scoring only
         the second half of each chunk (the first half gives the context)."""

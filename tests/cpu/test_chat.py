@@ -1,0 +1,87 @@
+"""Chat prompts from the file's template (runtime.chat) and `moeforge run --chat / -i`."""
+import io
+
+import pytest
+
+from moeforge.runtime.chat import ChatTemplateError, render
+from moeforge.synth_vocab import CHATML
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße, wie geht's?"}]
+
+
+def test_chatml_renders_every_turn_and_opens_the_reply():
+    want = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGrüße, wie geht's?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert render(CHATML, MESSAGES) == want
+    assert render(CHATML, MESSAGES, add_generation_prompt=False) == want[:-len("<|im_start|>assistant\n")]
+
+
+def test_templates_see_what_hugging_face_gives_them():
+    t = ("{{ bos_token }}{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+         "{% for m in messages %}{{ m | tojson }}\n{% endfor %}"
+         "{% if messages[0].role != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}")
+    out = render(t, MESSAGES, bos_token="<s>", enable_thinking=False)
+    assert out.startswith("<s>NOTHINK {\"role\": \"system\"") and "Grüße" in out      # non-ASCII kept
+    with pytest.raises(ChatTemplateError, match="a system message must come first"):
+        render(t, MESSAGES[1:])
+
+
+@pytest.mark.parametrize("template,msg", [
+    ("{{ ().__class__.__base__.__subclasses__() }}", "SecurityError"),   # a file's template is not code we run
+    ("{% for m in messages %}", "TemplateSyntaxError"),
+    ("{{ messages[0].content + 1 }}", "TypeError"),
+])
+def test_bad_templates_are_reported(template, msg):
+    with pytest.raises(ChatTemplateError, match=msg):
+        render(template, MESSAGES)
+
+
+@pytest.mark.parametrize("messages,msg", [
+    ([], "non-empty list"), ([{"role": "user"}], "string 'content'"), ([{"role": "bot", "content": "x"}], "'bot'"),
+])
+def test_bad_messages_are_named(messages, msg):
+    with pytest.raises(ValueError, match=msg):
+        render(CHATML, messages)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    from moeforge.runtime.model import load_model
+    from moeforge.synth import preset, write_qwen3moe
+    path = str(tmp_path_factory.mktemp("chat") / "t.gguf")
+    write_qwen3moe(path, preset("tiny"), "q8_0", seed=5)
+    return path, load_model(path, backend="numpy")
+
+
+def test_model_chat_prompt_is_the_template_tokenized(tiny):
+    _, m = tiny
+    ids = m.chat_prompt(MESSAGES)
+    assert m.tokenizer.decode(ids) == render(CHATML, MESSAGES)
+    tokens = m.file.get("tokenizer.ggml.tokens")
+    assert ids[0] == tokens.index("<|im_start|>") and ids.count(tokens.index("<|im_end|>")) == 2
+    reply = m.chat(MESSAGES, n=5)
+    assert isinstance(reply, str) and len(m.tokenizer.encode(reply)) <= 5
+
+
+def test_run_chat_and_a_conversation_from_stdin(tiny, capsys, monkeypatch):
+    from moeforge.cli import main
+    path, m = tiny
+    base = ["run", path, "--backend", "numpy", "-n", "4", "--temp", "0.7", "--seed", "3"]
+    assert main(base + ["--chat", "-p", "hello"]) == 0
+    one = capsys.readouterr()
+    want = m.chat([{"role": "user", "content": "hello"}], 4, __import__("moeforge").Sampling(temperature=0.7, seed=3))
+    assert one.out == want + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\nagain\n"))
+    assert main(base + ["-i", "--system", "Be brief."]) == 0
+    two = capsys.readouterr()
+    assert two.err.count("moeforge run: prompt") == 2 and two.err.count("> ") == 4    # hello, the blank line, again, EOF
+    with pytest.raises(SystemExit, match="give a prompt"):
+        main(["run", path, "--backend", "numpy", "--chat"])
+
+
+def test_a_file_without_a_template_is_told_so(tiny, monkeypatch):
+    _, m = tiny
+    monkeypatch.delitem(m.file.metadata, "tokenizer.chat_template")
+    with pytest.raises(ValueError, match="no chat template"):
+        m.chat_prompt(MESSAGES)
