@@ -50,6 +50,7 @@ class Model:
         self.n_ctx = n_ctx or min(self.hp.n_ctx_train, 4096)
         self.cache = self.backend.new_cache(self.n_ctx)
         self.n_past = 0
+        self._held: list[int] = []
         self._tokenizer = None
 
     # -- contexts -----------------------------------------------------------------------------
@@ -60,6 +61,24 @@ class Model:
             self.cache = self.backend.new_cache(n_ctx)
             self.n_ctx = n_ctx
         self.n_past = 0
+        self._held: list[int] = []     # the tokens whose keys and values the cache holds, in order
+
+    def _prefill(self, ids: np.ndarray, extra: int) -> np.ndarray:
+        """Make ids the context, room for `extra` tokens after them, and return the last
+        one's logits. The longest prefix the cache already holds is kept (a conversation's
+        next turn repeats the turns before it), as llama.cpp's server keeps a prompt's cache;
+        at least the last token is evaluated again, for its logits."""
+        keep = 0
+        if ids.size + extra <= self.cache.n_ctx:
+            lim = min(len(self._held), self.n_past, ids.size - 1)
+            differ = np.nonzero(np.asarray(self._held[:lim], dtype=np.int64) != ids[:lim])[0]
+            keep = int(differ[0]) if differ.size else lim
+        if keep:
+            self.n_past = keep
+            del self._held[keep:]
+        else:
+            self.reset(ids.size + extra)
+        return self.eval(ids[keep:], last_only=True)[-1]
 
     def _check_tokens(self, ids) -> np.ndarray:
         ids = np.asarray(ids)
@@ -102,6 +121,10 @@ class Model:
             pos = B.to_device(np.arange(pos0, pos0 + n, dtype=np.int32), "pos")
             out = self._forward(self, tokens, pos, pos0, n, last_only)
         self.n_past += n
+        # position by position (the benchmarks move n_past themselves; -1 for positions never
+        # evaluated, which no prompt matches)
+        del self._held[pos0:]
+        self._held.extend([-1] * (pos0 - len(self._held)) + ids.tolist())
         return out
 
     # -- the public API ---------------------------------------------------------------------
@@ -116,7 +139,8 @@ class Model:
         """Up to n tokens that follow the prompt: greedy, or drawn as `sampling` says
         (runtime.sampling: llama.cpp's chain; a seed repeats a run). A token in `stop` (the
         model's end-of-generation ids: `eos_ids`) ends it and is not returned. on_token(id)
-        is called as each token is chosen (streaming)."""
+        is called as each token is chosen (streaming). The part of the prompt the context
+        already holds is not evaluated again (_prefill)."""
         ids = self._check_tokens(prompt_ids)
         if ids.size == 0:
             raise ValueError("the prompt must hold at least one token")
@@ -124,8 +148,7 @@ class Model:
             raise ValueError(f"n must be >= 0, got {n}")
         choose = Sampler(sampling)
         stop = {int(t) for t in stop}
-        self.reset(ids.size + n)
-        last = self.eval(ids, last_only=True)[-1] if n else None
+        last = self._prefill(ids, n) if n else None
         history, out = [int(t) for t in ids], []
         for _ in range(n):
             tok = choose(last, history)

@@ -134,3 +134,36 @@ def test_run_command_samples_with_a_seed(tiny, capsys):
 def test_sampling_is_exported_lazily():
     import moeforge
     assert moeforge.Sampling is Sampling and "Sampling" in moeforge.__all__
+
+
+def test_generation_keeps_the_prefix_the_context_holds(tiny, rng, monkeypatch):
+    """A prompt that extends the last one (a conversation's next turn) evaluates only what
+    is new; the logits are those of a fresh context (to float rounding), and a prompt that
+    shares nothing, or would not fit, starts over."""
+    from moeforge.runtime.model import load_model
+    path, _ = tiny
+    m = load_model(path, backend="numpy", n_ctx=64)
+    evaluated = []
+    real = m.eval
+    monkeypatch.setattr(m, "eval", lambda ids, **kw: evaluated.append(len(ids)) or real(ids, **kw))
+    first = rng.integers(0, 512, size=9)
+    out = m.generate(first, 4)
+    assert evaluated == [9, 1, 1, 1]
+    turn = np.concatenate([first, out, rng.integers(0, 512, size=5)])
+    evaluated.clear()
+    again = m.generate(turn, 3)
+    assert evaluated[0] == 5 + 1           # the new tokens, and the last reply token never evaluated
+    fresh = load_model(path, backend="numpy", n_ctx=64)
+    assert again == fresh.generate(turn, 3)
+    np.testing.assert_allclose(m.eval([again[0]])[-1], fresh.eval([again[0]])[-1], rtol=1e-5, atol=1e-5)
+    evaluated.clear()
+    m.generate(turn[:8], 2)                # a prefix of what is held: only its last token again
+    assert evaluated[0] == 1
+    evaluated.clear()
+    other = rng.integers(0, 512, size=6)
+    other[0] = (turn[0] + 1) % 512         # shares nothing: all of it
+    m.generate(other, 2)
+    assert evaluated[0] == 6
+    evaluated.clear()
+    m.generate(turn, 60)                   # 22 + 60 > 64: a fresh, larger context
+    assert evaluated[0] == turn.size and m.cache.n_ctx >= turn.size + 60
