@@ -114,7 +114,9 @@ def add_commands(sub) -> None:
     p.set_defaults(func=_cmd_perplexity)
 
     from .cli_run import add_run_command
+    from .serve import add_serve_command
     add_run_command(sub)
+    add_serve_command(sub)
 
     b = sub.add_parser("bench-model", help="model speed in llama-bench's table (also: moeforge bench MODEL.gguf)")
     b.add_argument("model", metavar="MODEL.gguf")

@@ -139,7 +139,8 @@ class Model:
         """Up to n tokens that follow the prompt: greedy, or drawn as `sampling` says
         (runtime.sampling: llama.cpp's chain; a seed repeats a run). A token in `stop` (the
         model's end-of-generation ids: `eos_ids`) ends it and is not returned. on_token(id)
-        is called as each token is chosen (streaming). The part of the prompt the context
+        is called as each token is chosen (streaming); a true return ends the generation
+        there (a stop string the caller watches for). The part of the prompt the context
         already holds is not evaluated again (_prefill)."""
         ids = self._check_tokens(prompt_ids)
         if ids.size == 0:
@@ -156,8 +157,8 @@ class Model:
                 break
             out.append(tok)
             history.append(tok)
-            if on_token is not None:
-                on_token(tok)
+            if on_token is not None and on_token(tok):
+                break
             if len(out) == n:
                 break
             last = self.eval([tok])[-1]

@@ -1,0 +1,255 @@
+"""`moeforge serve`: one model behind the OpenAI-style HTTP endpoints that llama.cpp's and
+vLLM's servers offer (/v1/completions, /v1/chat/completions, /v1/models, /health), with
+server-sent events for `"stream": true`. Requests run one at a time (one model, one KV
+cache); the standard library's HTTP server, no other dependency."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# request fields and their types; top_k, min_p and repeat_penalty are llama.cpp's extensions
+FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
+          "min_p": (int, float), "repeat_penalty": (int, float), "seed": int, "stream": bool,
+          "stop": (str, list), "prompt": (str, list), "messages": list, "model": str, "n": int}
+DEFAULT_MAX_TOKENS = 256
+
+
+class RequestError(ValueError):
+    pass
+
+
+def parse_request(body: bytes, chat: bool) -> dict:
+    """The request as checked values; every problem is a RequestError naming the field."""
+    try:
+        req = json.loads(body or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the body is not JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise RequestError("the body must be a JSON object")
+    for key, types in FIELDS.items():
+        v = req.get(key)
+        if v is not None and (not isinstance(v, types) or isinstance(v, bool) and types is not bool):
+            raise RequestError(f"'{key}' has the wrong type ({type(v).__name__})")
+    need = "messages" if chat else "prompt"
+    if req.get(need) is None:
+        raise RequestError(f"'{need}' is required")
+    if req.get("n", 1) != 1:
+        raise RequestError("'n' must be 1 (one completion a request)")
+    if req.get("max_tokens", DEFAULT_MAX_TOKENS) < 0:
+        raise RequestError("'max_tokens' must be >= 0")
+    stop = req.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("'stop' must be a string or a list of non-empty strings")
+    prompt = req.get("prompt")
+    if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise RequestError("'prompt' must be a string or a list of token ids")
+    return {**req, "stop": stop}
+
+
+def sampling_of(req: dict):
+    from .runtime.sampling import Sampling
+    # llama.cpp's server defaults where the request says nothing
+    s = Sampling(temperature=float(req.get("temperature", 0.8)), top_k=req.get("top_k", 40),
+                 top_p=float(req.get("top_p", 0.95)), min_p=float(req.get("min_p", 0.05)),
+                 repeat_penalty=float(req.get("repeat_penalty", 1.0)), seed=req.get("seed"))
+    try:
+        return s.check()
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+class Generation:
+    """One completion: tokens in, text out, cut at the first stop string. `pieces` yields
+    the text as it becomes final (held back while it could still begin a stop string)."""
+
+    def __init__(self, model, ids: list[int], max_tokens: int, sampling, stop: list[str]):
+        self.model, self.ids, self.max_tokens, self.sampling, self.stop = model, ids, max_tokens, sampling, stop
+        self.tokens: list[int] = []
+        self.text, self.sent, self.finish = "", 0, "length"
+
+    def _on_token(self, t: int) -> bool:
+        self.tokens.append(t)
+        self.text = self.model.tokenizer.decode(self.tokens)
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.finish = self.text[:min(hits)], "stop"
+            return True
+        return False
+
+    def run(self, on_text=None) -> None:
+        def step(t):
+            done = self._on_token(t)
+            if on_text is not None:
+                final = len(self.text) if done else self._final_length()
+                if final > self.sent:
+                    on_text(self.text[self.sent:final])
+                    self.sent = final
+            return done
+        out = self.model.generate(self.ids, self.max_tokens, self.sampling, stop=self.model.eos_ids, on_token=step)
+        if len(out) < self.max_tokens and self.finish == "length":
+            self.finish = "stop"          # the end-of-turn token
+        if on_text is not None and len(self.text) > self.sent:
+            on_text(self.text[self.sent:])
+            self.sent = len(self.text)
+
+    def _final_length(self) -> int:
+        """Text that no stop string can still claim, and no half-decoded character ends."""
+        end = len(self.text)
+        while end and self.text[end - 1] == "\ufffd":
+            end -= 1
+        for s in self.stop:
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if self.text[:end].endswith(s[:k]):
+                    end -= k
+                    break
+        return max(end, self.sent)
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, model, name: str, n_ctx: int, quiet: bool = False):
+        super().__init__(address, Handler)
+        self.model, self.model_name, self.n_ctx, self.quiet = model, name, n_ctx, quiet
+        self.lock = threading.Lock()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+
+    def log_message(self, fmt, *args):
+        if not self.server.quiet:
+            super().log_message(fmt, *args)
+
+    def _json(self, code: int, obj: dict) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
+        self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self._json(200, {"status": "ok"})
+        if self.path == "/v1/models":
+            return self._json(200, {"object": "list", "data": [
+                {"id": self.server.model_name, "object": "model", "owned_by": "moeforge"}]})
+        self._error(404, f"no such endpoint: GET {self.path}")
+
+    def do_POST(self):
+        chat = self.path == "/v1/chat/completions"
+        if not chat and self.path != "/v1/completions":
+            return self._error(404, f"no such endpoint: POST {self.path}")
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            req = parse_request(body, chat)
+            gen = self._generation(req, chat)
+        except ValueError as e:      # RequestError, and the model's own checks (token ids, messages)
+            return self._error(400, str(e))
+        with self.server.lock:
+            try:
+                if req.get("stream"):
+                    return self._stream(gen, chat)
+                gen.run()
+            except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
+                return self._error(500, f"{type(e).__name__}: {e}", "server_error")
+        done = self._head(chat)
+        choice = {"index": 0, "finish_reason": gen.finish}
+        choice.update({"message": {"role": "assistant", "content": gen.text}} if chat else {"text": gen.text})
+        done.update(choices=[choice], usage={"prompt_tokens": len(gen.ids), "completion_tokens": len(gen.tokens),
+                                             "total_tokens": len(gen.ids) + len(gen.tokens)})
+        self._json(200, done)
+
+    def _generation(self, req: dict, chat: bool) -> Generation:
+        m = self.server.model
+        sampling = sampling_of(req)
+        if chat:
+            ids = m.chat_prompt(req["messages"])
+        elif isinstance(req["prompt"], str):
+            ids = m.tokenizer.encode(req["prompt"])
+        else:
+            ids = [int(t) for t in m._check_tokens(req["prompt"])]
+        if not ids:
+            raise RequestError("the prompt holds no tokens")
+        n = req.get("max_tokens", DEFAULT_MAX_TOKENS)
+        if len(ids) + n > self.server.n_ctx:
+            raise RequestError(f"the prompt ({len(ids)} tokens) and max_tokens ({n}) exceed the context of "
+                               f"{self.server.n_ctx} tokens (moeforge serve --ctx)")
+        return Generation(m, ids, n, sampling, req["stop"])
+
+    def _head(self, chat: bool, chunk: bool = False) -> dict:
+        kind = "chat.completion" if chat else "text_completion"
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                "object": kind + (".chunk" if chunk and chat else ""), "created": int(time.time()),
+                "model": self.server.model_name}
+
+    def _stream(self, gen: Generation, chat: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        head = self._head(chat, chunk=True)
+
+        def event(choice: dict) -> None:
+            self.wfile.write(b"data: " + json.dumps({**head, "choices": [choice]}, ensure_ascii=False).encode()
+                             + b"\n\n")
+            self.wfile.flush()
+
+        def delta(text: str, finish=None) -> dict:
+            body = {"delta": {"content": text}} if chat else {"text": text}
+            return {"index": 0, "finish_reason": finish, **body}
+
+        if chat:
+            event({"index": 0, "finish_reason": None, "delta": {"role": "assistant"}})
+        gen.run(on_text=lambda piece: event(delta(piece)))
+        event(delta("", gen.finish))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+def add_serve_command(sub) -> None:
+    from .cli_model import _attn_precision_arg
+    s = sub.add_parser("serve", help="serve a model over OpenAI-style HTTP endpoints (as llama-server)")
+    s.add_argument("model", metavar="MODEL.gguf")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--ctx", "-c", type=int, default=4096, help="tokens of context a request may use (default 4096)")
+    s.add_argument("--alias", default=None, help="the model's name in the API (default: the file's name)")
+    s.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
+    s.add_argument("--quiet", action="store_true", help="no request log")
+    _attn_precision_arg(s)
+    s.set_defaults(func=_cmd_serve)
+
+
+def make_server(model, host: str = "127.0.0.1", port: int = 8080, n_ctx: int = 4096, name: str = "model",
+                quiet: bool = False) -> Server:
+    if n_ctx < 2:
+        raise ValueError(f"the context must hold at least 2 tokens, got {n_ctx}")
+    return Server((host, port), model, name, n_ctx, quiet)
+
+
+def _cmd_serve(args) -> int:
+    import os
+    import sys
+
+    from .cli_model import _load
+    model = _load(args)
+    name = args.alias or os.path.basename(args.model)
+    srv = make_server(model, args.host, args.port, args.ctx, name, args.quiet)
+    print(f"moeforge serve: {name} on http://{srv.server_address[0]}:{srv.server_address[1]} "
+          f"(/v1/completions, /v1/chat/completions, /v1/models, /health)", file=sys.stderr, flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+    return 0

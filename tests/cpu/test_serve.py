@@ -1,0 +1,147 @@
+"""`moeforge serve` on the numpy backend: the OpenAI-style endpoints, streaming, stop
+strings, and requests that are refused with a message naming what is wrong."""
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from moeforge.serve import Generation, make_server
+
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from moeforge.runtime.model import load_model
+    from moeforge.synth import preset, write_qwen3moe
+    path = str(tmp_path_factory.mktemp("serve") / "t.gguf")
+    write_qwen3moe(path, preset("tiny"), "q8_0", seed=11)
+    model = load_model(path, backend="numpy", n_ctx=128)
+    srv = make_server(model, port=0, n_ctx=128, name="tiny", quiet=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", model
+    srv.shutdown()
+    srv.server_close()
+
+
+def _call(url, path, body=None, raw=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers.get("Content-Type"), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type"), e.read().decode()
+
+
+def _events(text):
+    lines = [ln[len("data: "):] for ln in text.split("\n\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_health_and_models(server):
+    url, _ = server
+    assert json.loads(_call(url, "/health")[2]) == {"status": "ok"}
+    models = json.loads(_call(url, "/v1/models")[2])
+    assert models["data"][0]["id"] == "tiny"
+    assert _call(url, "/nope")[0] == 404
+
+
+def test_completion_is_the_models_own_greedy_continuation(server):
+    url, model = server
+    code, kind, body = _call(url, "/v1/completions", {"prompt": "Once upon", "max_tokens": 6, "temperature": 0})
+    assert code == 200 and kind == "application/json"
+    out = json.loads(body)
+    ids = model.tokenizer.encode("Once upon")
+    want = model.generate(ids, 6, stop=model.eos_ids)
+    assert out["choices"][0]["text"] == model.tokenizer.decode(want)
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want), "total_tokens": len(ids) + len(want)}
+    assert out["choices"][0]["finish_reason"] == ("length" if len(want) == 6 else "stop")
+    # token ids as the prompt, and a seed that repeats a sampled run
+    a = json.loads(_call(url, "/v1/completions", {"prompt": ids, "max_tokens": 5, "seed": 4})[2])
+    b = json.loads(_call(url, "/v1/completions", {"prompt": ids, "max_tokens": 5, "seed": 4})[2])
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+def test_streamed_completion_is_the_same_text(server):
+    url, _ = server
+    body = {"prompt": "The", "max_tokens": 8, "temperature": 0}
+    whole = json.loads(_call(url, "/v1/completions", body)[2])["choices"][0]
+    code, kind, text = _call(url, "/v1/completions", {**body, "stream": True})
+    assert code == 200 and kind == "text/event-stream"
+    events = _events(text)
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+
+
+def test_chat_completion_and_its_stream(server):
+    url, model = server
+    msgs = [{"role": "user", "content": "hi there"}]
+    out = json.loads(_call(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 5, "temperature": 0})[2])
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": model.chat(msgs, 5)}
+    events = _events(_call(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 5, "temperature": 0,
+                                                          "stream": True})[2])
+    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:]) == model.chat(msgs, 5)
+
+
+def test_stop_strings_cut_the_text_and_are_held_back_while_streaming(server):
+    url, model = server
+    ids = model.tokenizer.encode("A story:")
+    full = model.tokenizer.decode(model.generate(ids, 12))
+    cut = next((i for i in range(2, len(full) - 2) if full[i:i + 2].strip() and full.find(full[i:i + 2]) == i), None)
+    assert cut is not None, f"no usable stop string in the seeded tiny model's greedy text {full!r}"
+    stop = full[cut:cut + 2]
+    body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "stop": [stop, "\u2603never"]}
+    out = json.loads(_call(url, "/v1/completions", body)[2])["choices"][0]
+    assert out["text"] == full[:cut] and out["finish_reason"] == "stop"
+    events = _events(_call(url, "/v1/completions", {**body, "stream": True})[2])
+    assert "".join(e["choices"][0]["text"] for e in events) == full[:cut]
+
+
+def test_stream_pieces_never_show_a_stop_strings_start():
+    """Generation._final_length holds back text that may begin a stop string."""
+    g = Generation(None, [1], 4, None, ["END"])
+    g.text = "abc EN"
+    assert g._final_length() == len("abc ")
+    g.text = "abc E\ufffd"
+    assert g._final_length() == len("abc ")
+
+
+@pytest.mark.parametrize("body,msg", [
+    (b"{not json", "not JSON"),
+    (json.dumps({"max_tokens": 3}).encode(), "'prompt' is required"),
+    (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "x", "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"prompt": "x", "top_p": "high"}).encode(), "'top_p' has the wrong type"),
+    (json.dumps({"prompt": [1, 99999]}).encode(), "token ids must be in"),
+    (json.dumps({"prompt": "x", "max_tokens": 500}).encode(), "exceed the context"),
+    (json.dumps({"prompt": "x", "stop": [""]}).encode(), "'stop'"),
+    (json.dumps({"prompt": "x", "n": 2}).encode(), "'n' must be 1"),
+])
+def test_bad_requests_are_400_with_the_reason(server, body, msg):
+    url, _ = server
+    code, _, text = _call(url, "/v1/completions", raw=body)
+    assert code == 400 and msg in json.loads(text)["error"]["message"]
+
+
+def test_bad_chat_messages_are_400(server):
+    url, _ = server
+    code, _, text = _call(url, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})
+    assert code == 400 and "'robot'" in json.loads(text)["error"]["message"]
+
+
+def test_serve_command_loads_and_serves(server, monkeypatch, capsys):
+    from moeforge import serve
+    from moeforge.cli import main
+    path = server[1].path
+    served = []
+    monkeypatch.setattr(serve.Server, "serve_forever", lambda self: served.append(self.model_name))
+    assert main(["serve", path, "--backend", "numpy", "--port", "0", "--alias", "mine", "--quiet"]) == 0
+    assert served == ["mine"] and "on http://127.0.0.1:" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        make_server(server[1], port=0, n_ctx=1)
