@@ -81,13 +81,16 @@ class Generation:
         return False
 
     def run(self, on_text=None) -> None:
+        """on_text(piece) gets the text as it becomes final; a true return ends the
+        generation (the client went away)."""
         def step(t):
             done = self._on_token(t)
             if on_text is not None:
                 final = len(self.text) if done else self._final_length()
                 if final > self.sent:
-                    on_text(self.text[self.sent:final])
+                    gone = on_text(self.text[self.sent:final])
                     self.sent = final
+                    return done or bool(gone)
             return done
         out = self.model.generate(self.ids, self.max_tokens, self.sampling, stop=self.model.eos_ids, on_token=step)
         if len(out) < self.max_tokens and self.finish == "length":
@@ -207,12 +210,22 @@ class Handler(BaseHTTPRequestHandler):
             body = {"delta": {"content": text}} if chat else {"text": text}
             return {"index": 0, "finish_reason": finish, **body}
 
-        if chat:
-            event({"index": 0, "finish_reason": None, "delta": {"role": "assistant"}})
-        gen.run(on_text=lambda piece: event(delta(piece)))
-        event(delta("", gen.finish))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+        def send(piece: str) -> bool:
+            try:
+                event(delta(piece))
+                return False
+            except OSError:          # the client closed the stream: stop generating for it
+                return True
+
+        try:
+            if chat:
+                event({"index": 0, "finish_reason": None, "delta": {"role": "assistant"}})
+            gen.run(on_text=send)
+            event(delta("", gen.finish))
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except OSError:
+            pass
 
 
 def add_serve_command(sub) -> None:
