@@ -23,7 +23,7 @@ def test_greedy_is_the_argmax_after_the_penalty(rng):
 def test_penalty_is_llama_cpps_once_per_distinct_token():
     z = np.array([2.0, -2.0, 1.0, 0.0])
     got = penalize(z, [0, 1, 0, 0, 3], 1.25)
-    np.testing.assert_array_equal(got, [1.6, -2.5, 1.0, 0.0])
+    np.testing.assert_array_equal(got, np.float32([2.0 / 1.25, -2.5, 1.0, 0.0]))
     np.testing.assert_array_equal(penalize(z, [0, 1], 1.0), z)
     # only the last repeat_last_n tokens count
     s = Sampler(Sampling(repeat_penalty=100.0, repeat_last_n=2))
@@ -42,6 +42,33 @@ def test_filters_keep_what_llama_cpp_keeps():
     assert candidates(z, Sampling(**{**OFF, "top_p": 1e-9})).tolist() == [1]       # at least one
     # in the chain's order: top_k first, then top_p on the renormalised rest
     assert candidates(z, Sampling(**{**OFF, "top_k": 3, "top_p": 0.5})).tolist() == [1, 2]
+
+
+def _candidates_by_full_sort(z, s):
+    """The chain as written down: the whole vocabulary sorted, every filter on it."""
+    order = np.argsort(-z, kind="stable")
+    if s.top_k:
+        order = order[:s.top_k]
+    p = np.exp(z[order].astype(np.float64) - float(z[order[0]]))
+    p /= p.sum()
+    if s.top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(p), s.top_p)) + 1
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    if s.min_p > 0:
+        order = order[p >= s.min_p * p[0]]
+    return order
+
+
+@pytest.mark.parametrize("spread", [0.3, 3.0, 12.0])      # flat, a language model's, peaked
+def test_the_windowed_filters_keep_what_a_full_sort_keeps(rng, spread):
+    for _ in range(20):
+        n = int(rng.integers(2, 3000))
+        z = (rng.standard_normal(n) * spread).astype(np.float32)
+        if rng.random() < 0.3:
+            z = np.round(z)                    # ties, kept in id order by both
+        s = Sampling(top_k=int(rng.choice([0, 1, 5, 40, 5000])), top_p=float(rng.choice([1.0, 0.95, 0.5, 0.1])),
+                     min_p=float(rng.choice([0.0, 0.05, 0.5])))
+        np.testing.assert_array_equal(candidates(z, s), _candidates_by_full_sort(z, s), err_msg=str(s))
 
 
 def test_draws_follow_the_softmax_at_the_temperature(rng):
