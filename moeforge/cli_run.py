@@ -28,7 +28,9 @@ def add_run_command(sub) -> None:
     r.add_argument("--min-p", type=float, default=0.05, help="drop tokens less probable than this fraction of the "
                    "most probable (0: off; default 0.05)")
     r.add_argument("--repeat-penalty", type=float, default=1.0, help="llama.cpp's repetition penalty (1: off)")
-    r.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back at (default 64)")
+    r.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back at (default 64)")
+    r.add_argument("--frequency-penalty", type=float, default=0.0, help="less this per occurrence (0: off)")
+    r.add_argument("--presence-penalty", type=float, default=0.0, help="less this once a token occurred (0: off)")
     r.add_argument("--seed", type=int, default=None, help="seed of the draws (default: a fresh one every run)")
     r.add_argument("--ignore-eos", action="store_true", help="generate n tokens even past end of generation")
     r.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
@@ -41,7 +43,8 @@ def _sampling(args):
     try:   # bad settings are named before the model loads
         return Sampling(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                        seed=args.seed).check()
+                        seed=args.seed, frequency_penalty=args.frequency_penalty,
+                        presence_penalty=args.presence_penalty).check()
     except ValueError as e:
         raise SystemExit(f"moeforge run: {e}") from None
 

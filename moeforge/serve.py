@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 # request fields and their types; top_k, min_p and repeat_penalty are llama.cpp's extensions
 FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
           "min_p": (int, float), "repeat_penalty": (int, float), "seed": int, "stream": bool,
+          "frequency_penalty": (int, float), "presence_penalty": (int, float),
           "stop": (str, list), "prompt": (str, list), "messages": list, "model": str, "n": int}
 DEFAULT_MAX_TOKENS = 256
 
@@ -55,7 +56,9 @@ def sampling_of(req: dict):
     # llama.cpp's server defaults where the request says nothing
     s = Sampling(temperature=float(req.get("temperature", 0.8)), top_k=req.get("top_k", 40),
                  top_p=float(req.get("top_p", 0.95)), min_p=float(req.get("min_p", 0.05)),
-                 repeat_penalty=float(req.get("repeat_penalty", 1.0)), seed=req.get("seed"))
+                 repeat_penalty=float(req.get("repeat_penalty", 1.0)), seed=req.get("seed"),
+                 frequency_penalty=float(req.get("frequency_penalty", 0.0)),
+                 presence_penalty=float(req.get("presence_penalty", 0.0)))
     try:
         return s.check()
     except ValueError as e:

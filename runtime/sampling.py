@@ -1,5 +1,5 @@
 """Choosing the next token from the logits, as llama.cpp's default sampler chain does:
-repetition penalty, then top-k, top-p and min-p (each on the probabilities of what the step
+repetition, frequency and presence penalties, then top-k, top-p and min-p (each on the probabilities of what the step
 before kept, at temperature 1), then the temperature, then a draw. Temperature 0 is greedy.
 
 On the host: one row of logits a step. The filters look only at a window below the largest
@@ -21,6 +21,8 @@ class Sampling:
     repeat_penalty: float = 1.0  # 1: off; llama.cpp's: positive logits divided, negative multiplied
     repeat_last_n: int = 64     # how many of the latest tokens the penalty looks at
     seed: int | None = None     # None: a fresh draw every run
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the last repeat_last_n (OpenAI's)
+    presence_penalty: float = 0.0   # subtracted once from every token that occurs there
 
     def check(self) -> "Sampling":
         def bad(field, want):
@@ -37,6 +39,9 @@ class Sampling:
             bad("repeat_penalty", "a finite number > 0")
         if self.repeat_last_n < 0:
             bad("repeat_last_n", ">= 0")
+        for field in ("frequency_penalty", "presence_penalty"):
+            if not np.isfinite(getattr(self, field)):
+                bad(field, "a finite number")
         return self
 
     @property
@@ -44,15 +49,16 @@ class Sampling:
         return self.temperature == 0
 
 
-def penalize(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
-    """llama.cpp's repetition penalty: each distinct recent token's logit divided by the
-    penalty where positive, multiplied where not (once, however often it occurred). A copy,
-    float32 as the logits come."""
+def penalize(logits: np.ndarray, recent, penalty: float, frequency: float = 0.0, presence: float = 0.0) -> np.ndarray:
+    """llama.cpp's penalties: each distinct recent token's logit divided by the repetition
+    penalty where positive, multiplied where not (once, however often it occurred), then
+    less frequency * its count + presence. A copy, float32 as the logits come."""
     out = np.array(logits, dtype=np.float32)
-    if penalty != 1.0 and len(recent):
-        ids = np.unique(np.asarray(recent, dtype=np.int64))
+    if len(recent) and (penalty != 1.0 or frequency or presence):
+        ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
         v = out[ids]
-        out[ids] = np.where(v > 0, v / penalty, v * penalty)
+        v = np.where(v > 0, v / penalty, v * penalty)
+        out[ids] = v - (frequency * counts + presence)
     return out
 
 
@@ -108,7 +114,7 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history=()) -> int:
         s = self.s
         recent = list(history)[-s.repeat_last_n:] if s.repeat_last_n else []
-        z = penalize(logits, recent, s.repeat_penalty)
+        z = penalize(logits, recent, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
         if s.greedy:
             return int(np.argmax(z))
         keep = candidates(z, s)

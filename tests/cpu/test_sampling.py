@@ -25,6 +25,9 @@ def test_penalty_is_llama_cpps_once_per_distinct_token():
     got = penalize(z, [0, 1, 0, 0, 3], 1.25)
     np.testing.assert_array_equal(got, np.float32([2.0 / 1.25, -2.5, 1.0, 0.0]))
     np.testing.assert_array_equal(penalize(z, [0, 1], 1.0), z)
+    # then frequency per occurrence and presence once: token 0 three times, 1 and 3 once
+    np.testing.assert_array_equal(penalize(z, [0, 1, 0, 0, 3], 1.0, 0.5, 0.25),
+                                  np.float32([2.0 - 1.75, -2.0 - 0.75, 1.0, -0.75]))
     # only the last repeat_last_n tokens count
     s = Sampler(Sampling(repeat_penalty=100.0, repeat_last_n=2))
     assert s(np.array([5.0, 4.0, 0.0]), history=[0, 2, 2]) == 0
@@ -104,7 +107,7 @@ def test_a_seed_repeats_a_run_and_another_seed_does_not(rng):
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(min_p=-0.5), "min_p"), (dict(repeat_penalty=0.0), "repeat_penalty"),
-    (dict(repeat_last_n=-2), "repeat_last_n"),
+    (dict(repeat_last_n=-2), "repeat_last_n"), (dict(presence_penalty=float("inf")), "presence_penalty"),
 ])
 def test_bad_settings_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"sampling {field}="):
