@@ -43,8 +43,17 @@ def _load(args):
     if args.backend == "cuda" and not has_gpu():
         raise SystemExit("moeforge: the cuda backend needs a CUDA GPU, and none was found "
                          "(--backend numpy runs small models on the CPU)")
-    return load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None),
-                      attn_precision=args.attn_precision, cache_type=args.cache_type)
+    import time
+    t0 = time.perf_counter()
+
+    def progress(i, n):   # a 17 GB model takes 10-20 s to load: say where it is
+        if i == n or i % 8 == 0:
+            print(f"\rmoeforge: loading {os.path.basename(args.model)}, layer {i}/{n}", end="",
+                  file=sys.stderr, flush=True)
+    model = load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None),
+                       attn_precision=args.attn_precision, cache_type=args.cache_type, progress=progress)
+    print(f" ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    return model
 
 
 def _cmd_perplexity(args) -> int:
