@@ -85,3 +85,21 @@ def test_a_file_without_a_template_is_told_so(tiny, monkeypatch):
     monkeypatch.delitem(m.file.metadata, "tokenizer.chat_template")
     with pytest.raises(ValueError, match="no chat template"):
         m.chat_prompt(MESSAGES)
+
+
+def test_the_features_real_chat_templates_use_work_in_the_sandbox():
+    """namespace(), loop.last, string methods and tests, the way Qwen3's and gpt-oss's
+    templates use them (written here, not copied), rendered inside the sandbox."""
+    t = ("{%- set ns = namespace(last_user=0) %}"
+         "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+         "{%- for m in messages %}"
+         "{%- if m.content is string and '</think>' in m.content %}"
+         "{%- set body = m.content.split('</think>')[-1].lstrip('\\n') %}{% else %}{% set body = m.content %}{% endif %}"
+         "[{{ m.role | upper }}{{ '*' if loop.index0 == ns.last_user }}]{{ body.strip() }}"
+         "{{ '|' if not loop.last }}{% endfor %}"
+         "{%- if add_generation_prompt %}[ASSISTANT]{{ '<think>\\n\\n</think>' if enable_thinking is defined "
+         "and enable_thinking is false }}{% endif %}")
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>\n b "},
+            {"role": "user", "content": " c"}]
+    assert render(t, msgs, enable_thinking=False) == "[USER]a|[ASSISTANT]b|[USER*]c[ASSISTANT]<think>\n\n</think>"
+    assert render(t, msgs).endswith("[ASSISTANT]")
