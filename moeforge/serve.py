@@ -10,10 +10,13 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .logprobs import MAX_TOP, chat_logprobs, completion_logprobs, sequence_logprobs
+
 # request fields and their types; top_k, min_p and repeat_penalty are llama.cpp's extensions
 FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
           "min_p": (int, float), "repeat_penalty": (int, float), "seed": int, "stream": bool,
-          "frequency_penalty": (int, float), "presence_penalty": (int, float),
+          "frequency_penalty": (int, float), "presence_penalty": (int, float), "echo": bool,
+          "top_logprobs": int,
           "stop": (str, list), "prompt": (str, list), "messages": list, "model": str, "n": int}
 DEFAULT_MAX_TOKENS = 256
 
@@ -48,6 +51,17 @@ def parse_request(body: bytes, chat: bool) -> dict:
     prompt = req.get("prompt")
     if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise RequestError("'prompt' must be a string or a list of token ids")
+    # logprobs: a count of alternatives for completions, a switch (with top_logprobs) for chat
+    lp = req.get("logprobs")
+    top = req.get("top_logprobs", 0) if chat else lp
+    if chat and lp is not None and not isinstance(lp, bool):
+        raise RequestError("'logprobs' must be true or false (the count is 'top_logprobs')")
+    if not chat and lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
+        raise RequestError("'logprobs' must be an integer: how many alternatives each token lists")
+    if top is not None and not 0 <= top <= MAX_TOP:
+        raise RequestError(f"'{'top_logprobs' if chat else 'logprobs'}' must be in [0, {MAX_TOP}]")
+    if req.get("stream") and (lp or req.get("echo")):
+        raise RequestError("'logprobs' and 'echo' are not streamed: ask without 'stream'")
     return {**req, "stop": stop}
 
 
@@ -165,14 +179,30 @@ class Handler(BaseHTTPRequestHandler):
                 if req.get("stream"):
                     return self._stream(gen, chat)
                 gen.run()
+                choice = self._choice(req, gen, chat)
             except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
                 return self._error(500, f"{type(e).__name__}: {e}", "server_error")
         done = self._head(chat)
-        choice = {"index": 0, "finish_reason": gen.finish}
-        choice.update({"message": {"role": "assistant", "content": gen.text}} if chat else {"text": gen.text})
         done.update(choices=[choice], usage={"prompt_tokens": len(gen.ids), "completion_tokens": len(gen.tokens),
                                              "total_tokens": len(gen.ids) + len(gen.tokens)})
         self._json(200, done)
+
+    def _choice(self, req: dict, gen: Generation, chat: bool) -> dict:
+        """The reply's choice, with the log-probabilities and the echoed prompt asked for."""
+        m, choice = self.server.model, {"index": 0, "finish_reason": gen.finish}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": gen.text}
+            if req.get("logprobs"):
+                scored = sequence_logprobs(m, gen.ids + gen.tokens, len(gen.ids), req.get("top_logprobs", 0))
+                choice["logprobs"] = chat_logprobs(m.tokenizer, scored)
+            return choice
+        echo = bool(req.get("echo"))
+        prompt = req["prompt"] if isinstance(req["prompt"], str) else m.tokenizer.decode(gen.ids)
+        choice["text"] = prompt + gen.text if echo else gen.text
+        if req.get("logprobs") is not None:
+            scored = sequence_logprobs(m, gen.ids + gen.tokens, 0 if echo else len(gen.ids), req["logprobs"])
+            choice["logprobs"] = completion_logprobs(m.tokenizer, scored, 0 if echo else len(prompt))
+        return choice
 
     def _generation(self, req: dict, chat: bool) -> Generation:
         m = self.server.model

@@ -9,25 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .runtime.tokenizer import byte_alphabet
+
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKEN_NORMAL, TOKEN_CONTROL = 1, 3
 # ChatML, the turn format of Qwen's models (their files carry a longer template of it)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def byte_alphabet() -> list[str]:
-    """GPT-2's byte -> printable character map: printable Latin-1 bytes stand for
-    themselves, the rest are shifted to code points from 256 up."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def build_vocab(n_vocab: int, seed: int = 0) -> tuple[list[str], list[int], list[str]]:

@@ -16,6 +16,23 @@ PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2}
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
 
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character map of byte-level BPE vocabularies: printable
+    Latin-1 bytes stand for themselves, the rest are shifted to code points from 256 up."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+_BYTE_OF = {c: b for b, c in enumerate(byte_alphabet())}
+
+
 class Tokenizer:
     def __init__(self, tok, bos_id, eos_id, add_bos: bool):
         self._tok = tok
@@ -69,3 +86,11 @@ class Tokenizer:
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a character, for some): its vocabulary
+        string through the byte alphabet; a special token's text as it is."""
+        s = self._tok.id_to_token(int(token_id)) or ""
+        if all(c in _BYTE_OF for c in s):
+            return bytes(_BYTE_OF[c] for c in s)
+        return s.encode("utf-8")

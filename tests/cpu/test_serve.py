@@ -5,6 +5,7 @@ import threading
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 from moeforge.serve import Generation, make_server
@@ -112,7 +113,49 @@ def test_stream_pieces_never_show_a_stop_strings_start():
     assert g._final_length() == len("abc ")
 
 
+def _log_softmax(z):
+    z = z.astype(np.float64)
+    return z - (z.max(-1, keepdims=True) + np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+
+
+def test_echo_and_logprobs_score_a_prompt_as_lm_eval_asks(server):
+    """max_tokens 0, echo, logprobs: the prompt's own tokens scored (the first has none),
+    each with its top alternatives; what lm-evaluation-harness needs for loglikelihood."""
+    url, model = server
+    ids = model.tokenizer.encode("the quick brown fox")
+    out = json.loads(_call(url, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 3})[2])
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == model.tokenizer.decode(ids) and len(lp["tokens"]) == len(ids)
+    want = _log_softmax(model.logits(ids))
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [want[i - 1, ids[i]] for i in range(1, len(ids))], atol=1e-5)
+    for i in range(1, len(ids)):
+        top = lp["top_logprobs"][i]
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(want[i - 1].max(), abs=1e-5)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_logprobs_of_generated_tokens_completion_and_chat(server):
+    url, model = server
+    out = json.loads(_call(url, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0,
+                                                     "logprobs": 2})[2])
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == out["usage"]["completion_tokens"]
+    for got, top in zip(lp["token_logprobs"], lp["top_logprobs"]):     # greedy: each is its row's best
+        assert len(top) == 2 and got == pytest.approx(max(top.values()), abs=1e-4) and got <= 0
+    msgs = [{"role": "user", "content": "hey"}]
+    out = json.loads(_call(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 3, "temperature": 0,
+                                                          "logprobs": True, "top_logprobs": 4})[2])
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 4 and c["logprob"] <= 0 for c in content)
+
+
 @pytest.mark.parametrize("body,msg", [
+    (json.dumps({"prompt": "x", "max_tokens": 1, "logprobs": 21}).encode(), "'logprobs' must be in [0, 20]"),
+    (json.dumps({"prompt": "x", "max_tokens": 1, "logprobs": True}).encode(), "must be an integer"),
+    (json.dumps({"prompt": "x", "max_tokens": 1, "echo": True, "stream": True}).encode(), "not streamed"),
     (b"{not json", "not JSON"),
     (json.dumps({"max_tokens": 3}).encode(), "'prompt' is required"),
     (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_tokens"),
@@ -133,6 +176,8 @@ def test_bad_chat_messages_are_400(server):
     url, _ = server
     code, _, text = _call(url, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})
     assert code == 400 and "'robot'" in json.loads(text)["error"]["message"]
+    code, _, text = _call(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3})
+    assert code == 400 and "top_logprobs" in json.loads(text)["error"]["message"]
 
 
 def test_serve_command_loads_and_serves(server, monkeypatch, capsys):

@@ -66,3 +66,13 @@ def test_unsupported_vocabulary(gguf_path, tmp_path):
     f.metadata["tokenizer.ggml.model"] = "llama"
     with pytest.raises(GGUFError, match="gpt2-style"):
         Tokenizer.from_gguf(f)
+
+
+def test_token_bytes_join_to_the_texts_bytes(gguf_path):
+    """Each token's bytes (pieces of a character for some) join to the text's UTF-8: what
+    the server's logprobs name a token by."""
+    from moeforge.runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(GGUFFile(gguf_path))
+    for text in ("Ünïcødé ✓ 中文 🙂", "plain words", "<|im_start|>user\nhi<|im_end|>"):
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
