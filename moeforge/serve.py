@@ -1,14 +1,15 @@
 """`moeforge serve`: one model behind the OpenAI-style HTTP endpoints that llama.cpp's and
 vLLM's servers offer (/v1/completions, /v1/chat/completions, /v1/models, /health), with
-server-sent events for `"stream": true`. Requests run one at a time (one model, one KV
-cache); the standard library's HTTP server, no other dependency."""
+server-sent events for `"stream": true`. Requests run one at a time, on the thread that
+serves (the one that loaded the model: CUDA work stays on the thread whose context holds
+it); one model, one KV cache; the standard library's HTTP server, no other dependency."""
 from __future__ import annotations
 
 import json
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from .logprobs import MAX_TOP, chat_logprobs, completion_logprobs, sequence_logprobs
 
@@ -129,13 +130,11 @@ class Generation:
         return max(end, self.sent)
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-
+class Server(HTTPServer):
     def __init__(self, address, model, name: str, n_ctx: int, quiet: bool = False):
         super().__init__(address, Handler)
         self.model, self.model_name, self.n_ctx, self.quiet = model, name, n_ctx, quiet
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()     # for callers that serve from several threads
 
 
 class Handler(BaseHTTPRequestHandler):
