@@ -81,8 +81,9 @@ def sampling_of(req: dict):
 
 
 class Generation:
-    """One completion: tokens in, text out, cut at the first stop string. `pieces` yields
-    the text as it becomes final (held back while it could still begin a stop string)."""
+    """One completion: tokens in, text out, cut at the first stop string. run(on_text)
+    hands out the text as it becomes final (held back while it could still begin a stop
+    string)."""
 
     def __init__(self, model, ids: list[int], max_tokens: int, sampling, stop: list[str]):
         self.model, self.ids, self.max_tokens, self.sampling, self.stop = model, ids, max_tokens, sampling, stop
