@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 # synth.TYPES, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
 SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe", "f16", "f32")
@@ -43,7 +44,6 @@ def _load(args):
     if args.backend == "cuda" and not has_gpu():
         raise SystemExit("moeforge: the cuda backend needs a CUDA GPU, and none was found "
                          "(--backend numpy runs small models on the CPU)")
-    import time
     t0 = time.perf_counter()
 
     def progress(i, n):   # a 17 GB model takes 10-20 s to load: say where it is

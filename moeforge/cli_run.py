@@ -51,32 +51,24 @@ def _sampling(args):
 
 def _stream(model, ids: list[int], n: int, sampling, ignore_eos: bool) -> list[int]:
     """Generate, printing the text as it comes; then the prompt's and the tokens' speed."""
-    tok = model.tokenizer
-    out, shown, first = [], "", []
-
-    def show(t: int) -> None:
-        # decode the whole continuation and print what is new: a character may span tokens
-        nonlocal shown
-        if not first:
-            first.append(time.perf_counter())
-        out.append(t)
-        text = tok.decode(out)
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-
+    from .runtime.generation import Generation
+    gen = Generation(model, ids, n, sampling, eos=not ignore_eos)
     t0 = time.perf_counter()
-    model.generate(ids, n, sampling, stop=() if ignore_eos else model.eos_ids, on_token=show)
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    gen.run(on_text=show)
     t1 = time.perf_counter()
-    sys.stdout.write(tok.decode(out)[len(shown):] + "\n")
+    sys.stdout.write("\n")
     sys.stdout.flush()
     # as llama.cpp reports: the prompt pass (to the first token), then the tokens after it
-    tp = (first[0] if first else t1) - t0
-    rate = lambda k, s: f"{k / s:.1f} t/s" if s > 0 and k else "-"  # noqa: E731
+    tp = (gen.first_token_at or t1) - t0
+    k = len(gen.tokens)
+    rate = lambda c, s: f"{c / s:.1f} t/s" if s > 0 and c else "-"  # noqa: E731
     print(f"moeforge run: prompt {len(ids)} tokens in {tp:.3f} s ({rate(len(ids), tp)}), "
-          f"generated {len(out)} tokens ({rate(len(out) - 1, t1 - t0 - tp)} after the first)", file=sys.stderr)
-    return out
+          f"generated {k} tokens ({rate(k - 1, t1 - t0 - tp)} after the first)", file=sys.stderr)
+    return gen.tokens
 
 
 def _cmd_run(args) -> int:

@@ -6,12 +6,12 @@ it); one model, one KV cache; the standard library's HTTP server, no other depen
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from .logprobs import MAX_TOP, chat_logprobs, completion_logprobs, sequence_logprobs
+from .runtime.generation import Generation
 
 # request fields and their types; top_k, min_p and repeat_penalty are llama.cpp's extensions
 FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
@@ -80,62 +80,10 @@ def sampling_of(req: dict):
         raise RequestError(str(e)) from None
 
 
-class Generation:
-    """One completion: tokens in, text out, cut at the first stop string. run(on_text)
-    hands out the text as it becomes final (held back while it could still begin a stop
-    string)."""
-
-    def __init__(self, model, ids: list[int], max_tokens: int, sampling, stop: list[str]):
-        self.model, self.ids, self.max_tokens, self.sampling, self.stop = model, ids, max_tokens, sampling, stop
-        self.tokens: list[int] = []
-        self.text, self.sent, self.finish = "", 0, "length"
-
-    def _on_token(self, t: int) -> bool:
-        self.tokens.append(t)
-        self.text = self.model.tokenizer.decode(self.tokens)
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.text, self.finish = self.text[:min(hits)], "stop"
-            return True
-        return False
-
-    def run(self, on_text=None) -> None:
-        """on_text(piece) gets the text as it becomes final; a true return ends the
-        generation (the client went away)."""
-        def step(t):
-            done = self._on_token(t)
-            if on_text is not None:
-                final = len(self.text) if done else self._final_length()
-                if final > self.sent:
-                    gone = on_text(self.text[self.sent:final])
-                    self.sent = final
-                    return done or bool(gone)
-            return done
-        out = self.model.generate(self.ids, self.max_tokens, self.sampling, stop=self.model.eos_ids, on_token=step)
-        if len(out) < self.max_tokens and self.finish == "length":
-            self.finish = "stop"          # the end-of-turn token
-        if on_text is not None and len(self.text) > self.sent:
-            on_text(self.text[self.sent:])
-            self.sent = len(self.text)
-
-    def _final_length(self) -> int:
-        """Text that no stop string can still claim, and no half-decoded character ends."""
-        end = len(self.text)
-        while end and self.text[end - 1] == "\ufffd":
-            end -= 1
-        for s in self.stop:
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if self.text[:end].endswith(s[:k]):
-                    end -= k
-                    break
-        return max(end, self.sent)
-
-
 class Server(HTTPServer):
     def __init__(self, address, model, name: str, n_ctx: int, quiet: bool = False):
         super().__init__(address, Handler)
         self.model, self.model_name, self.n_ctx, self.quiet = model, name, n_ctx, quiet
-        self.lock = threading.Lock()     # for callers that serve from several threads
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -174,14 +122,13 @@ class Handler(BaseHTTPRequestHandler):
             gen = self._generation(req, chat)
         except ValueError as e:      # RequestError, and the model's own checks (token ids, messages)
             return self._error(400, str(e))
-        with self.server.lock:
-            try:
-                if req.get("stream"):
-                    return self._stream(gen, chat)
-                gen.run()
-                choice = self._choice(req, gen, chat)
-            except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
-                return self._error(500, f"{type(e).__name__}: {e}", "server_error")
+        try:
+            if req.get("stream"):
+                return self._stream(gen, chat)
+            gen.run()
+            choice = self._choice(req, gen, chat)
+        except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
+            return self._error(500, f"{type(e).__name__}: {e}", "server_error")
         done = self._head(chat)
         done.update(choices=[choice], usage={"prompt_tokens": len(gen.ids), "completion_tokens": len(gen.tokens),
                                              "total_tokens": len(gen.ids) + len(gen.tokens)})

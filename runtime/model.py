@@ -49,8 +49,7 @@ class Model:
         self.n_ubatch = n_ubatch
         self.n_ctx = n_ctx or min(self.hp.n_ctx_train, 4096)
         self.cache = self.backend.new_cache(self.n_ctx)
-        self.n_past = 0
-        self._held: list[int] = []
+        self.reset()
         self._tokenizer = None
 
     # -- contexts -----------------------------------------------------------------------------
@@ -180,13 +179,12 @@ class Model:
         if not isinstance(template, str) or not template.strip():
             raise ValueError(f"{self.path}: the file has no chat template (tokenizer.chat_template); "
                              f"give the prompt text itself")
-        tokens = self.file.get("tokenizer.ggml.tokens") or []
-        name = lambda i: tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""  # noqa: E731
+        tok = self.tokenizer
+        name = lambda i: "" if i is None else tok.token_bytes(i).decode("utf-8", "replace")  # noqa: E731
         text = render(template, messages, add_generation_prompt=add_generation_prompt,
-                      bos_token=name(self.file.get("tokenizer.ggml.bos_token_id")),
-                      eos_token=name(self.file.get("tokenizer.ggml.eos_token_id")), **variables)
+                      bos_token=name(tok.bos_id), eos_token=name(tok.eos_id), **variables)
         # the template writes the special tokens it wants: no BOS added (as Hugging Face's)
-        return self.tokenizer.encode(text, add_bos=False)
+        return tok.encode(text, add_bos=False)
 
     def chat(self, messages, n: int = 512, sampling: Sampling | None = None, *, on_token=None,
              **variables) -> str:

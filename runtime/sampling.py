@@ -113,7 +113,7 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
         s = self.s
-        recent = list(history)[-s.repeat_last_n:] if s.repeat_last_n else []
+        recent = history[-s.repeat_last_n:] if s.repeat_last_n else ()
         z = penalize(logits, recent, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
         if s.greedy:
             return int(np.argmax(z))

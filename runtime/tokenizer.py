@@ -87,6 +87,11 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special)
 
+    def stream(self) -> "TextStream":
+        """An incremental decoder: each token's text as it completes, O(1) a token (decode
+        of the whole continuation every token is O(n) a token: seconds over long replies)."""
+        return TextStream(self)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a character, for some): its vocabulary
         string through the byte alphabet; a special token's text as it is."""
@@ -94,3 +99,21 @@ class Tokenizer:
         if all(c in _BYTE_OF for c in s):
             return bytes(_BYTE_OF[c] for c in s)
         return s.encode("utf-8")
+
+
+class TextStream:
+    """Tokens in, text out, as decode() of all of them would give it: the tokens' bytes
+    through an incremental UTF-8 decoder that holds back a character's first bytes until
+    its last arrives (invalid bytes become U+FFFD, as decode's do)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        import codecs
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, token_id: int) -> str:
+        return self._utf8.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """What is held back at the end: U+FFFD for a character cut short."""
+        return self._utf8.decode(b"", final=True)

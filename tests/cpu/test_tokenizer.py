@@ -76,3 +76,14 @@ def test_token_bytes_join_to_the_texts_bytes(gguf_path):
     for text in ("Ünïcødé ✓ 中文 🙂", "plain words", "<|im_start|>user\nhi<|im_end|>"):
         ids = tok.encode(text)
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+def test_text_stream_is_decode_piece_by_piece(gguf_path, rng):
+    """Tokenizer.stream: the pieces of random token runs (broken characters among them) join
+    to decode() of all of them."""
+    from moeforge.runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(GGUFFile(gguf_path))
+    for _ in range(200):
+        ids = rng.integers(0, tok.n_vocab, size=int(rng.integers(1, 30))).tolist()
+        s = tok.stream()
+        assert "".join(s.add(t) for t in ids) + s.flush() == tok.decode(ids)
