@@ -6,8 +6,12 @@ import os
 import sys
 import time
 
-# synth.TYPES, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
+# synth.TYPES and synth.ARCHS, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
 SYNTH_TYPES = ("q4_0", "q8_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe", "f16", "f32")
+SYNTH_ARCHS = ("qwen3moe", "gpt-oss")
+# without --preset: each architecture's real model; without --type: the type it ships in
+# (gpt-oss: llama.cpp's MXFP4_MOE, mxfp4 experts as OpenAI released them, q8_0 elsewhere)
+SYNTH_DEFAULTS = {"qwen3moe": ("qwen3-30b-a3b", "q4_0"), "gpt-oss": ("gpt-oss-20b", "mxfp4_moe")}
 
 
 def _ints(text: str) -> list[int]:
@@ -15,12 +19,24 @@ def _ints(text: str) -> list[int]:
 
 
 def _cmd_synth(args) -> int:
-    from .synth import PRESETS, describe, preset, write_qwen3moe
-    if args.arch != "qwen3moe":
-        print(f"moeforge synth: architecture {args.arch!r} is not supported (qwen3moe)", file=sys.stderr)
-        return 2
-    if args.preset not in PRESETS:
+    from .synth import PRESETS, describe, preset, write_model
+    if args.preset is not None and args.preset not in PRESETS:
         print(f"moeforge synth: unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}", file=sys.stderr)
+        return 2
+    # the architecture is the preset's; --arch alone picks its real model's preset
+    if args.preset is None:
+        args.preset = SYNTH_DEFAULTS[args.arch or "qwen3moe"][0]
+    arch = PRESETS[args.preset].arch
+    if args.arch is not None and args.arch != arch:
+        same = [n for n, p in PRESETS.items() if p.arch == args.arch]
+        print(f"moeforge synth: preset {args.preset!r} is a {arch} model, not --arch {args.arch} "
+              f"({args.arch}'s presets: {', '.join(same)})", file=sys.stderr)
+        return 2
+    if args.type is None:
+        args.type = SYNTH_DEFAULTS[arch][1]
+    if arch == "gpt-oss" and args.merged_gate_up:
+        print("moeforge synth: --merged-gate-up is for qwen3moe (gpt-oss files keep gate and up apart)",
+              file=sys.stderr)
         return 2
     spec = preset(args.preset, n_layer=args.layers)
     if not args.quiet:
@@ -29,10 +45,10 @@ def _cmd_synth(args) -> int:
     def progress(i, n, name):
         if not args.quiet and (i == n or i % 25 == 0):
             print(f"  {i}/{n} tensors", file=sys.stderr)
-    r = write_qwen3moe(args.out, spec, args.type, seed=args.seed, skewed_router=args.skewed_router,
-                       embd_type=args.embd_type, output_type=args.output_type, merged_gate_up=args.merged_gate_up,
-                       tied_output=args.tied_output, name=f"moeforge-synth {args.preset} {args.type}",
-                       progress=progress)
+    r = write_model(args.out, spec, args.type, seed=args.seed, skewed_router=args.skewed_router,
+                    embd_type=args.embd_type, output_type=args.output_type, merged_gate_up=args.merged_gate_up,
+                    tied_output=args.tied_output, name=f"moeforge-synth {args.preset} {args.type}",
+                    progress=progress)
     print(f"wrote {r['path']}: {r['bytes'] / 2**30:.2f} GiB, {r['tensors']} tensors in {r['seconds']:.1f} s "
           f"({r['gb_per_s']:.2f} GB/s)")
     return 0
@@ -95,13 +111,18 @@ def _attn_precision_arg(parser) -> None:
 def add_commands(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic GGUF model with real shapes and random weights")
     s.add_argument("out", metavar="OUT.gguf")
-    s.add_argument("--arch", default="qwen3moe")
-    s.add_argument("--preset", default="qwen3-30b-a3b", help="qwen3-30b-a3b, qwen3-235b-a22b, tiny or tiny-k "
-                   "(tiny with rows of whole K-quant super-blocks)")
-    s.add_argument("--type", default="q4_0", choices=SYNTH_TYPES,
+    s.add_argument("--arch", default=None, choices=SYNTH_ARCHS,
+                   help="the model's architecture (default: the preset's; with no --preset, qwen3moe); a "
+                        "preset of another architecture is refused")
+    s.add_argument("--preset", default=None,
+                   help="qwen3moe: qwen3-30b-a3b (the default), qwen3-235b-a22b, tiny or tiny-k (tiny with rows of "
+                        "whole K-quant super-blocks); gpt-oss: gpt-oss-20b (the default with --arch gpt-oss) "
+                        "or tiny-oss")
+    s.add_argument("--type", default=None, choices=SYNTH_TYPES,
                    help="type of every matrix, or q4_K_M / q5_K_M: llama.cpp's mixes (q4_K or q5_K; q6_K "
                         "for the head, and attn_v and ffn_down in half the layers), or mxfp4_moe: llama.cpp's "
-                        "MXFP4_MOE (mxfp4 experts, q8_0 elsewhere)")
+                        "MXFP4_MOE (mxfp4 experts, q8_0 elsewhere). Default: q4_0 for qwen3moe, mxfp4_moe for "
+                        "gpt-oss (the format it is released in)")
     s.add_argument("--embd-type", default=None, help="type of token_embd (default: --type)")
     s.add_argument("--output-type", default=None, help="type of the output head (default: --type)")
     s.add_argument("--layers", type=int, default=None, help="override the preset's layer count")

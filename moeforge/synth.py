@@ -1,4 +1,4 @@
-"""Synthetic qwen3moe GGUF files: real shapes, random weights, a loadable tokenizer.
+"""Synthetic qwen3moe and gpt-oss GGUF files: real shapes, random weights, a loadable tokenizer.
 
 Two sources of weights:
   "blocks"  (moeforge synth) valid random GGUF blocks copied from a pool of random blocks
@@ -7,7 +7,7 @@ Two sources of weights:
   "float"   (the parity fixtures) seeded float weights, quantized with gguf's reference
             quantizer, so the F32/F16/Q8_0/Q4_0 files are versions of one model.
 
-Metadata keys and tensor names are those of llama.cpp's qwen3moe converter.
+Metadata keys and tensor names are those of llama.cpp's converters for the two.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .codegen.quant import QUANT_TYPES
 from .runtime.convert import block_size, row_bytes
 from .synth_vocab import add_tokenizer
 
-ARCH = "qwen3moe"
+ARCHS = ("qwen3moe", "gpt-oss")
 # q4_K_M, q5_K_M: llama.cpp's mixes of those names (q4_K or q5_K, with q6_K where they give
 # more bits: see tensor_plan); q6_K also for every matrix, or as --output-type/--embd-type
 # (llama.cpp's Q4_0 files keep a q6_K head); iq4_xs every matrix (llama.cpp's IQ4_XS mix
@@ -55,6 +55,10 @@ class SynthSpec:
     rope_base: float = 1e6
     rms_eps: float = 1e-6
     n_ff: int = 0           # the dense feed_forward_length key (informational for qwen3moe)
+    arch: str = "qwen3moe"
+    n_swa: int = 0          # gpt-oss: the sliding window, YaRN's factor and original context
+    yarn_factor: float = 0.0
+    yarn_orig_ctx: int = 0
 
 
 PRESETS = {
@@ -67,6 +71,14 @@ PRESETS = {
     # the smallest whose every matrix row holds whole K-quant super-blocks (256 weights)
     "tiny-k": SynthSpec(n_vocab=512, n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64,
                         n_ff_exp=256, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, n_ff=512),
+    # gpt-oss-20b's shapes (its GGUF from llama.cpp's converter: MXFP4 experts, the rest Q8_0
+    # or F16/F32): synth --type mxfp4_moe
+    "gpt-oss-20b": SynthSpec(n_vocab=201088, n_embd=2880, n_layer=24, n_head=64, n_head_kv=8, head_dim=64,
+                             n_ff_exp=2880, n_expert=32, n_expert_used=4, n_ctx=131072, rope_base=150000.0,
+                             rms_eps=1e-5, arch="gpt-oss", n_swa=128, yarn_factor=32.0, yarn_orig_ctx=4096),
+    "tiny-oss": SynthSpec(n_vocab=512, n_embd=128, n_layer=4, n_head=4, n_head_kv=2, head_dim=32,
+                          n_ff_exp=64, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, rms_eps=1e-5,
+                          arch="gpt-oss", n_swa=8, yarn_factor=4.0, yarn_orig_ctx=64),
 }
 
 
@@ -87,6 +99,9 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
     if qtype in EXPERT_MIXES:
         experts, qtype = EXPERT_MIXES[qtype]
     plan = [("token_embd.weight", (s.n_vocab, d), embd_type or qtype)]
+    if s.arch == "gpt-oss":
+        return plan + _gptoss_layers(s, qtype, experts) + [("output_norm.weight", (d,), "f32")] + (
+            [] if tied_output else [("output.weight", (s.n_vocab, d), output_type or qtype)])
     for i in range(s.n_layer):
         b = f"blk.{i}."
         more = "q6_K" if mix and more_bits(i, s.n_layer) else qtype
@@ -110,6 +125,27 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
     plan.append(("output_norm.weight", (d,), "f32"))
     if not tied_output:
         plan.append(("output.weight", (s.n_vocab, d), output_type or qtype))
+    return plan
+
+
+def _gptoss_layers(s: SynthSpec, qtype: str, experts: str | None):
+    d, E, ff, q, kv = s.n_embd, s.n_expert, s.n_ff_exp, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    plan = []
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        plan += [
+            (b + "attn_norm.weight", (d,), "f32"),
+            (b + "attn_q.weight", (q, d), qtype), (b + "attn_q.bias", (q,), "f32"),
+            (b + "attn_k.weight", (kv, d), qtype), (b + "attn_k.bias", (kv,), "f32"),
+            (b + "attn_v.weight", (kv, d), qtype), (b + "attn_v.bias", (kv,), "f32"),
+            (b + "attn_output.weight", (d, q), qtype), (b + "attn_output.bias", (d,), "f32"),
+            (b + "attn_sinks.weight", (s.n_head,), "f32"),
+            (b + "post_attention_norm.weight", (d,), "f32"),
+            (b + "ffn_gate_inp.weight", (E, d), "f32"), (b + "ffn_gate_inp.bias", (E,), "f32"),
+            (b + "ffn_gate_exps.weight", (E, ff, d), experts or qtype), (b + "ffn_gate_exps.bias", (E, ff), "f32"),
+            (b + "ffn_up_exps.weight", (E, ff, d), experts or qtype), (b + "ffn_up_exps.bias", (E, ff), "f32"),
+            (b + "ffn_down_exps.weight", (E, d, ff), experts or qtype), (b + "ffn_down_exps.bias", (E, d), "f32"),
+        ]
     return plan
 
 
@@ -146,8 +182,12 @@ class _Weights:
         return 1.0 / np.sqrt(shape[-1])
 
     def small(self, name: str, shape) -> np.ndarray:
-        """Norm weights and the router: always float32, always drawn."""
+        """Norm weights, biases, sinks and the router: always float32, always drawn."""
         rng = self.rng(name)
+        if name.endswith(".bias"):
+            return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if name.endswith("attn_sinks.weight"):     # logits comparable with the attention scores'
+            return rng.standard_normal(shape).astype(np.float32)
         if len(shape) == 1:
             return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         w = rng.standard_normal(shape) * self.std(name, shape)
@@ -234,7 +274,7 @@ class _BlockPool:
             at = (at + n) % len(self.pool)
 
 
-def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = "blocks", seed: int = 0,
+def write_model(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = "blocks", seed: int = 0,
                    skewed_router: bool = False, embd_type=None, output_type=None, merged_gate_up: bool = False,
                    tied_output: bool = False, name: str | None = None, progress=None) -> dict:
     """Write the file, streaming tensor by tensor; returns sizes and the time taken."""
@@ -254,7 +294,11 @@ def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = 
                              f"{block_size(t)[0]} (the tiny-k preset's rows are)")
     t0 = time.perf_counter()
     tmp = f"{path}.tmp{os.getpid()}"
-    w = gguf.GGUFWriter(tmp, ARCH)
+    if spec.arch not in ARCHS:
+        raise ValueError(f"architecture {spec.arch!r}: synth writes {', '.join(ARCHS)}")
+    if merged_gate_up and spec.arch != "qwen3moe":
+        raise ValueError(f"merged_gate_up: {spec.arch} files hold gate and up separately")
+    w = gguf.GGUFWriter(tmp, spec.arch)
     _add_metadata(w, spec, qtype, name or f"moeforge-synth {qtype}")
     add_tokenizer(w, spec.n_vocab, seed)
     total = 0
@@ -273,7 +317,7 @@ def write_qwen3moe(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = 
     for i, (tname, shape, t) in enumerate(plan):
         w.write_padding(fout, fout.tell())
         nb = nbytes_of(shape, t)
-        if t == "f32" and (len(shape) == 1 or tname.endswith("ffn_gate_inp.weight")):
+        if t == "f32" and (len(shape) == 1 or tname.endswith((".bias", "ffn_gate_inp.weight"))):
             fout.write(weights.small(tname, shape).tobytes())
         elif source == "float":
             fout.write(np.ascontiguousarray(weights.float_tensor(tname, shape, t)).tobytes())
@@ -310,6 +354,16 @@ def _add_metadata(w, s: SynthSpec, qtype: str, name: str) -> None:
     w.add_expert_count(s.n_expert)
     w.add_expert_used_count(s.n_expert_used)
     w.add_expert_feed_forward_length(s.n_ff_exp)
+    if s.n_swa:
+        w.add_sliding_window(s.n_swa)
+    if s.yarn_factor:
+        import gguf
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(s.yarn_orig_ctx)
+
+
+write_qwen3moe = write_model     # the name the parity script and older callers use
 
 
 def preset(name: str, **overrides) -> SynthSpec:

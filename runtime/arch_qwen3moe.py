@@ -7,41 +7,13 @@ file from `moeforge synth` load alike.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-
+from .arch import HParams, LayerRefs, ModelRefs, merge_gate_up, merge_rows  # noqa: F401  (merge_rows: re-exported)
 from .convert import converted, converted_types
-from .gguf_file import Expect, GGUFError, GGUFFile, TensorRef, check_tensors
+from .gguf_file import Expect, GGUFError, GGUFFile, check_tensors
 
 ARCH = "qwen3moe"
 NORM_TYPES = ("f32",)
 ROUTER_TYPES = ("f32", "f16")
-
-
-@dataclass(frozen=True)
-class HParams:
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff_exp: int
-    n_expert: int
-    n_expert_used: int
-    rms_eps: float
-    rope_base: float
-    n_ctx_train: int
-    expert_weights_scale: float = 0.0   # 0 or 1: no scaling (llama.cpp's convention)
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_head_kv * self.head_dim
 
 
 def read_hparams(f: GGUFFile) -> HParams:
@@ -113,59 +85,6 @@ def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
             ex[b + "ffn_gate_exps.weight"] = Expect((E, ff, d))
             ex[b + "ffn_up_exps.weight"] = Expect((E, ff, d))
     return ex
-
-
-def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
-    """(E, ff, k) gate and up -> (E, 2*ff, k), gate rows first: one GEMM instead of two.
-    The concatenation is made where the bytes are loaded to (load(cupy): on the device)."""
-    E, ff, k = gate.shape
-
-    def load(xp=np):
-        g, u = gate.load(xp), up.load(xp)
-        return xp.concatenate([g.reshape(E, ff, -1), u.reshape(E, ff, -1)], axis=1).reshape(E * 2 * ff, -1)
-
-    return TensorRef(name, gate.qtype, (E, 2 * ff, k), load)
-
-
-def merge_rows(parts: list[TensorRef], name: str) -> TensorRef:
-    """2-D tensors of one type and width stacked by rows (q, k and v: one product)."""
-    rows = sum(p.shape[0] for p in parts)
-
-    def load(xp=np):
-        return xp.concatenate([p.load(xp).reshape(p.shape[0], -1) for p in parts], axis=0)
-
-    return TensorRef(name, parts[0].qtype, (rows, parts[0].shape[1]), load)
-
-
-@dataclass
-class LayerRefs:
-    attn_norm: TensorRef
-    wq: TensorRef
-    wk: TensorRef
-    wv: TensorRef
-    wo: TensorRef
-    q_norm: TensorRef
-    k_norm: TensorRef
-    ffn_norm: TensorRef
-    router: TensorRef
-    down: TensorRef
-    gate_up: TensorRef | None = None      # merged, gate rows first
-    gate: TensorRef | None = None         # separate, where types differ
-    up: TensorRef | None = None
-
-
-@dataclass
-class ModelRefs:
-    hp: HParams
-    tok_embd: TensorRef
-    output_norm: TensorRef
-    output: TensorRef          # the embedding itself when the file ties them
-    layers: list[LayerRefs]
-
-    def attention_quantized(self) -> bool:
-        """Every q, k, v and output projection quantized: the prompt attention may then run
-        on f16 tensor cores (runtime.prompt_attention)."""
-        return all(t.quantized for L in self.layers for t in (L.wq, L.wk, L.wv, L.wo))
 
 
 def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..codegen.spec import ModelSpec
 from . import prompt_attention
-from .arch_qwen3moe import HParams, ModelRefs
+from .arch import HParams, ModelRefs
 
 
 @dataclass
@@ -33,6 +33,17 @@ class LayerWeights:
     gate: object = None
     up: object = None
     wqkv: object = None        # q, k, v rows stacked, where the backend runs them as one product
+    # gpt-oss (runtime.arch.LayerRefs): float32 vectors, None where the model has none
+    bq: object = None
+    bk: object = None
+    bv: object = None
+    bqkv: object = None        # bq, bk, bv stacked, beside wqkv
+    bo: object = None
+    sinks: object = None
+    router_b: object = None
+    gate_b: object = None      # (E, ff)
+    up_b: object = None
+    down_b: object = None      # (E, d)
 
 
 @dataclass
@@ -94,24 +105,32 @@ class Backend:
         raise NotImplementedError
 
     def vector(self, ref):
-        return self.xp.asarray(np.asarray(ref.load(), dtype=np.float32))
+        return self.xp.asarray(np.asarray(ref.load(), dtype=np.float32).reshape(ref.shape))
 
     def upload(self, refs: ModelRefs, progress=None) -> Weights:
         """Layer by layer, so that at most one layer's merged host copy exists at a time."""
         quantized = refs.attention_quantized() or self.cache_type == "f16"
         self.attn_precision = self.attn_request or ("f16" if quantized else "f32")
         M, V = self.matrix, self.vector
+
+        def opt(ref):
+            return None if ref is None else V(ref)
+
         tok = M(refs.tok_embd, embedding=True)
         out = tok if refs.output is refs.tok_embd else M(refs.output)
         layers = []
         for i, L in enumerate(refs.layers):
             wqkv = self.stacked_qkv(L)
             wq, wk, wv = (None, None, None) if wqkv is not None else (M(L.wq), M(L.wk), M(L.wv))
+            bq, bk, bv = opt(L.bq), opt(L.bk), opt(L.bv)
             layers.append(LayerWeights(
-                V(L.attn_norm), wq, wk, wv, M(L.wo), V(L.q_norm), V(L.k_norm),
+                V(L.attn_norm), wq, wk, wv, M(L.wo), opt(L.q_norm), opt(L.k_norm),
                 V(L.ffn_norm), M(L.router), M(L.down),
                 gate_up=M(L.gate_up) if L.gate_up else None,
-                gate=M(L.gate) if L.gate else None, up=M(L.up) if L.up else None, wqkv=wqkv))
+                gate=M(L.gate) if L.gate else None, up=M(L.up) if L.up else None, wqkv=wqkv,
+                bq=bq, bk=bk, bv=bv, bqkv=None if wqkv is None or bq is None else self.xp.concatenate([bq, bk, bv]),
+                bo=opt(L.bo), sinks=opt(L.sinks), router_b=opt(L.router_b), gate_b=opt(L.gate_b),
+                up_b=opt(L.up_b), down_b=opt(L.down_b)))
             if progress:
                 progress(i + 1, len(refs.layers))
         return Weights(tok, V(refs.output_norm), out, layers)
@@ -125,9 +144,24 @@ class Backend:
 
     # -- ops every backend composes the same way -------------------------------------------
     # A backend with fused kernels overrides these; the compositions here are the reference.
-    def qkv(self, L: LayerWeights, x):
-        """The three attention projections of x."""
+    def qkv(self, L: LayerWeights, x, bias: bool = True):
+        """The three attention projections of x, with their biases where the model has them
+        (bias False: without, rope_store_ adds them)."""
+        if bias and L.bq is not None:
+            return (self.matmul(L.wq, x, "q", bias=L.bq), self.matmul(L.wk, x, "k", bias=L.bk),
+                    self.matmul(L.wv, x, "v", bias=L.bv))
         return self.matmul(L.wq, x, "q"), self.matmul(L.wk, x, "k"), self.matmul(L.wv, x, "v")
+
+    def rope_store_(self, cache, il, q, k, v, pos, pos0, L: LayerWeights | None = None):
+        """The biases of L's q, k and v projections added (where L is given and has them),
+        RoPE of q and k in place (NEOX, YaRN-scaled where hp.yarn says); k and v into the cache."""
+        hp = self.hp
+        if L is not None and L.bq is not None:
+            for y, b in ((q, L.bq), (k, L.bk), (v, L.bv)):
+                self.add_bias_(y, b)
+        self.rope_(q, pos, hp.n_head, hp.rope_base, hp.yarn)
+        self.rope_(k, pos, hp.n_head_kv, hp.rope_base, hp.yarn)
+        self.kv_store_(cache, il, k, v, pos, pos0)
 
     def qk_norm_rope_store_(self, cache, il, q, k, v, L: LayerWeights, pos, pos0):
         """Per-head RMSNorm and NEOX RoPE of q and k in place; k and v into the cache."""
@@ -138,12 +172,15 @@ class Backend:
         self.rope_(k, pos, hp.n_head_kv, hp.rope_base)
         self.kv_store_(cache, il, k, v, pos, pos0)
 
-    def route_tokens(self, router, x, top_k, scale):
-        """Router logits, then each token's top_k experts and their renormalised weights."""
-        return self.route(self.matmul(router, x, "router"), top_k, scale)
+    def route_tokens(self, router, x, top_k, scale, bias=None):
+        """Router logits, then each token's top_k experts and their renormalised weights
+        (gpt-oss's softmax over the top_k logits is the same thing)."""
+        return self.route(self.matmul(router, x, "router", bias=bias), top_k, scale)
 
-    def add_rms_norm_(self, x, y, w, eps, name):
-        """x += y; returns rms_norm(x) * w."""
+    def add_rms_norm_(self, x, y, w, eps, name, bias=None):
+        """x += y (+ bias: added to y first); returns rms_norm(x) * w."""
+        if bias is not None:
+            self.add_bias_(y, bias)
         self.add_(x, y)
         return self.rms_norm(x, w, eps, name)
 
@@ -153,15 +190,29 @@ class Backend:
         return self.rms_norm(x, w, eps, name)
 
     def moe_down_combine_rms_norm_(self, L: LayerWeights, x, act, ids, wts, w, eps, name):
-        """The experts' down products, x += their weighted sum; returns rms_norm(x) * w."""
-        return self.moe_combine_rms_norm_(x, self.mul_mat_id(L.down, act, ids, "down"), wts, w, eps, name)
+        """The experts' down products (plus each expert's bias), x += their weighted sum;
+        returns rms_norm(x) * w."""
+        y = self.mul_mat_id(L.down, act, ids, "down")
+        if L.down_b is not None:
+            self.add_bias_id_(y, L.down_b, ids)
+        return self.moe_combine_rms_norm_(x, y, wts, w, eps, name)
 
     def expert_gate_up(self, L: LayerWeights, x, ids, name):
-        """silu(gate) * up of each token's chosen experts, (n, top_k, n_ff). A backend with
-        a fused kernel overrides this; the composition here is its reference."""
+        """act(gate) * up of each token's chosen experts, (n, top_k, n_ff): SiLU, or
+        SwiGLU-OAI with each expert's gate and up biases added first (hp.expert_act). A
+        backend with a fused kernel overrides this; the composition here is its reference."""
+        if L.gate_b is None and self.hp.expert_act == "silu":
+            if L.gate_up is not None:
+                return self.swiglu(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), name)
+            return self.swiglu_split(self.mul_mat_id(L.gate, x, ids, "gate"),
+                                     self.mul_mat_id(L.up, x, ids, "up"), name)
         if L.gate_up is not None:
-            return self.swiglu(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), name)
-        return self.swiglu_split(self.mul_mat_id(L.gate, x, ids, "gate"), self.mul_mat_id(L.up, x, ids, "up"), name)
+            gu = self.mul_mat_id(L.gate_up, x, ids, "gate_up")
+            ff = gu.shape[-1] // 2
+            g, u = gu[..., :ff], gu[..., ff:]
+        else:
+            g, u = self.mul_mat_id(L.gate, x, ids, "gate"), self.mul_mat_id(L.up, x, ids, "up")
+        return self.glu_id(g, u, L.gate_b, L.up_b, ids, self.hp.expert_act, name)
 
     # -- host <-> device ---------------------------------------------------------------------
     def context(self):

@@ -184,11 +184,11 @@ class CudaBackend(CudaMoeOps, Backend):
         return self.matrix(merge_rows(list(parts), L.wq.name.replace("attn_q", "attn_qkv")))
 
     # -- ops ------------------------------------------------------------------------------------
-    def qkv(self, L, x):
+    def qkv(self, L, x, bias: bool = True):
         if L.wqkv is None:
-            return super().qkv(L, x)
+            return super().qkv(L, x, bias)
         hp = self.hp
-        both = self.matmul(L.wqkv, x, "qkv")
+        both = self.matmul(L.wqkv, x, "qkv", bias=L.bqkv if bias else None)
         cuts = (0, hp.q_dim, hp.q_dim + hp.kv_dim, hp.q_dim + 2 * hp.kv_dim)
         views = [both[:, a:b] for a, b in zip(cuts, cuts[1:])]
         if x.shape[0] == 1:
@@ -241,7 +241,9 @@ class CudaBackend(CudaMoeOps, Backend):
         self.kernel("rms_norm")((x.size // hd,), (min(256, 32 * -(-hd // 32)),), (x, w, x, _i32(hd), _f32(eps),
                                                                                  _NULL, _NULL, _i32(0)))
 
-    def rope_(self, x, pos, n_heads, base):
+    def rope_(self, x, pos, n_heads, base, yarn=None):
+        if yarn is not None:
+            raise NotImplementedError("YaRN RoPE runs in rope_store_ (rope_yarn_store)")
         n, hd = x.shape[0], x.shape[1] // n_heads
         total = n * n_heads * (hd // 2)
         self.kernel("rope_neox")(grid_1d(total), (256,), (x, pos, _i32(n), _i32(n_heads), _i32(hd),
@@ -251,6 +253,44 @@ class CudaBackend(CudaMoeOps, Backend):
         n = k.shape[0]
         self.kernel("kv_store")(grid_1d(n * self.hp.kv_dim), (256,), (k, v, cache.k[il], cache.v[il], pos, _i32(n),
                                                                     _i32(self.hp.kv_dim)))
+
+    def rope_store_(self, cache, il, q, k, v, pos, pos0, L=None):
+        """L's q, k, v biases, RoPE (YaRN where hp.yarn says) of q and k and the KV store, in one launch."""
+        hp, n = self.hp, q.shape[0]
+        self._pending_qk = None
+        y = hp.yarn
+        lo, hi = y.corr_dims(hp.head_dim, hp.rope_base) if y is not None else (0.0, 0.0)
+        total = n * (hp.n_head + hp.n_head_kv) * (hp.head_dim // 2)
+        self.kernel("rope_yarn_store")(grid_1d(total), (256,), (
+            q, k, v, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
+            _f32(math.log2(hp.rope_base)), _f32(y.freq_scale if y else 1.0), _f32(y.ext_factor if y else 0.0),
+            _f32(lo), _f32(hi), _f32(y.mscale() if y else 1.0), _i32(n),
+            *((L.bq, L.bk, L.bv) if L is not None and L.bq is not None else (_NULL, _NULL, _NULL))))
+
+    def add_bias_(self, y, b):
+        self._add_bias(y, b)
+
+    def _add_bias(self, y, b):
+        m = y.shape[-1]
+        self.kernel("add_bias")(grid_1d(y.size), (256,), (y, b, np.int64(y.size // m), _i32(m)))
+
+    def add_bias_id_(self, y, b, ids):
+        m = y.shape[-1]
+        self.kernel("add_bias_id")(grid_1d(y.size), (256,), (y, b, ids, np.int64(y.size // m), _i32(m)))
+
+    def glu_id(self, g, u, gate_b, up_b, ids, act, name):
+        """SwiGLU-OAI of each slot's gate and up products (views of one gate|up buffer, or
+        two buffers), with its expert's biases."""
+        if act != "swiglu_oai":
+            raise NotImplementedError(f"glu_id: {act}")
+        *lead, ff = g.shape
+        out = self.ws(name, (*lead, ff))
+        slots = out.size // ff
+        stride = g.strides[-2] // 4 if g.ndim > 1 else ff
+        self.kernel("glu_oai_id")(grid_1d(out.size), (256,), (
+            np.uint64(g.data.ptr), np.uint64(u.data.ptr), np.int64(stride), _NULL if gate_b is None else gate_b,
+            _NULL if up_b is None else up_b, ids, out, np.int64(slots), _i32(ff)))
+        return out
 
     def qk_norm_rope_store_(self, cache, il, q, k, v, L, pos, pos0):
         hp = self.hp
@@ -267,16 +307,18 @@ class CudaBackend(CudaMoeOps, Backend):
             q, k, v, L.q_norm, L.k_norm, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv),
             _i32(hp.head_dim), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)), _i32(n)))
 
-    def add_rms_norm_(self, x, y, w, eps, name):
+    def add_rms_norm_(self, x, y, w, eps, name, bias=None):
         out = self.ws(name, x.shape)
         d = x.shape[-1]
-        self.kernel("add_rms_norm")((x.size // d,), (1024,), (x, y, w, out, _i32(d), _f32(eps), *self._norm_q8(out)))
+        self.kernel("add_rms_norm")((x.size // d,), (1024,), (x, y, w, out, _i32(d), _f32(eps), *self._norm_q8(out),
+                                                              _NULL if bias is None else bias))
         return out
 
-    def attention(self, cache, il, q, pos, pos0, n, name):
+    def attention(self, cache, il, q, pos, pos0, n, name, sinks=None, window: int = 0):
         hp, cp = self.hp, self.cp
         kc, vc = cache.k[il], cache.v[il]
         scale = 1.0 / math.sqrt(hp.head_dim)
+        extra = (_NULL if sinks is None else sinks, _i32(window))
         if n == 1:   # the decode step: the number of cached positions is read on the device
             out = self.ws(name, (1, hp.q_dim))
             pend, self._pending_qk = self._pending_qk, None
@@ -284,9 +326,10 @@ class CudaBackend(CudaMoeOps, Backend):
                 fused = (*pend[1:], _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)))
             else:
                 fused = (_NULL, _NULL, _NULL, _NULL, _f32(0.0), _f32(0.0))
+            # sinks and windows: the kernel a block per query head (decode_attention.plan)
+            grouped = self._decode_grouped(pos0) and sinks is None and not window
             kernel, heads, threads, splits = decode_attention.plan(hp, cache.n_ctx, self._device()["sm_count"],
-                                                                   self._decode_grouped(pos0), self.decode_attn_splits,
-                                                                   self.cache_type)
+                                                                   grouped, self.decode_attn_splits, self.cache_type)
             part = self.ws("attn_part", (hp.n_head * splits * (hp.head_dim + 2),))
             if self._attn_counts is None or self._attn_counts.size < hp.n_head:
                 # zero once: the last block of each head resets its counter after use
@@ -295,7 +338,9 @@ class CudaBackend(CudaMoeOps, Backend):
                     _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused,
                     part, self._attn_counts, _i32(splits))
             smem = 0
-            if kernel.startswith("attn_decode_gqa"):
+            if not kernel.startswith("attn_decode_gqa"):
+                args += extra
+            else:
                 stages, smem = decode_attention.ring(hp, self._device()["smem_per_block_optin"],
                                                      self.decode_attn_stages, self.cache_type)
                 args += (_i32(stages),)
@@ -305,7 +350,7 @@ class CudaBackend(CudaMoeOps, Backend):
         kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"],
                                              self.cache_type)
         if kernel is not None:
-            return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"])
+            return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"], extra)
         L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
         g = hp.n_head // hkv
         # other head shapes: cuBLAS on views (CuPy temporaries: such a pass is not captured;
@@ -314,11 +359,11 @@ class CudaBackend(CudaMoeOps, Backend):
         V = vc[:L].astype(np.float32, copy=False).reshape(L, hkv, hd).transpose(1, 0, 2)
         qh = q.reshape(n, hkv, g, hd).transpose(1, 2, 0, 3).reshape(hkv, g * n, hd)
         p = cp.ascontiguousarray(cp.matmul(qh, K))                  # (hkv, g * n, L) scores
-        self.kernel("softmax_causal")((p.size // L,), (256,), (p, _i32(L), _i32(n), _i32(pos0), _f32(scale)))
+        self.kernel("softmax_causal")((p.size // L,), (256,), (p, _i32(L), _i32(n), _i32(pos0), _f32(scale), *extra))
         o = cp.matmul(p, V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
         return cp.ascontiguousarray(o.reshape(n, hp.q_dim))
 
-    def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name, smem_limit: int):
+    def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name, smem_limit: int, extra):
         hp = self.hp
         out = self.ws(name, (n, hp.q_dim))
         args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
@@ -328,11 +373,18 @@ class CudaBackend(CudaMoeOps, Backend):
             bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, smem_limit, kernel, self.cache_type)
             args += (_i32(bufs),)
             smem = prompt_attention.smem_bytes(hp, kernel, bufs, self.cache_type)
+        args += extra
         self.kernel(kernel)((hp.n_head_kv, -(-n // prompt_attention.ROWS[kernel])),
                             (prompt_attention.threads(hp, kernel),), args, smem=smem)
         return out
 
-    def matmul(self, w: GpuWeight, x, name):
+    def matmul(self, w: GpuWeight, x, name, bias=None):
+        out = self._matmul(w, x, name)
+        if bias is not None:
+            self._add_bias(out, bias)    # not the op add_bias_: a profiled matmul stays one leaf
+        return out
+
+    def _matmul(self, w: GpuWeight, x, name):
         n, k = x.shape
         m = w.shape[0]
         out = self.ws(name, (n, m))

@@ -84,6 +84,18 @@ class NpMatrix:
         return x.astype(_F64) @ w.T.astype(_F64)
 
 
+def yarn_angles(theta: np.ndarray, yarn, n_dims: int, base: float):
+    """ggml's YaRN angles (rope_yarn) from the unscaled ones (n, n_dims / 2), in float32 as
+    there, and the factor on cos and sin."""
+    low, high = yarn.corr_dims(n_dims, base)
+    i = np.arange(theta.shape[-1], dtype=np.float32)
+    ramp = 1.0 - np.clip((i - np.float32(low)) / np.float32(max(0.001, high - low)), 0.0, 1.0)
+    mix = (ramp * np.float32(yarn.ext_factor)).astype(np.float32)
+    interp = (np.float32(yarn.freq_scale) * theta).astype(np.float32)
+    out = (interp * (np.float32(1) - mix) + theta * mix).astype(np.float32)
+    return out, float(np.float32(yarn.mscale()))
+
+
 def _float_rows(flat: np.ndarray, qtype: str) -> np.ndarray:
     if qtype == "bf16":
         return (flat.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -117,9 +129,11 @@ class NumpyBackend(Backend):
         n = x.shape[0]
         x[...] = self.rms_norm(x.reshape(n * n_heads, -1), w, eps, None).reshape(x.shape)
 
-    def rope_(self, x, pos, n_heads, base):
+    def rope_(self, x, pos, n_heads, base, yarn=None):
         """NEOX: pairs (i, i + d/2) rotate by pos * base^(-2i/d). The angles follow ggml's
-        float32 recurrence (theta *= base^(-2/d)), which is what llama.cpp's CPU uses."""
+        float32 recurrence (theta *= base^(-2/d)), which is what llama.cpp's CPU uses; with
+        YaRN (runtime.arch.YaRN) each pair's angle mixes the interpolated and the original
+        one by ggml's ramp, and cos and sin are scaled by its mscale."""
         n = x.shape[0]
         hd = x.shape[1] // n_heads
         half = hd // 2
@@ -129,7 +143,11 @@ class NumpyBackend(Backend):
         for i in range(half):
             theta[:, i] = t
             t = (t * step).astype(np.float32)
-        c, s = np.cos(theta.astype(_F64))[:, None, :], np.sin(theta.astype(_F64))[:, None, :]
+        mscale = 1.0
+        if yarn is not None:
+            theta, mscale = yarn_angles(theta, yarn, hd, base)
+        c = np.cos(theta.astype(_F64))[:, None, :] * mscale
+        s = np.sin(theta.astype(_F64))[:, None, :] * mscale
         xh = x.reshape(n, n_heads, hd).astype(_F64)
         x0, x1 = xh[..., :half], xh[..., half:]
         out = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
@@ -150,27 +168,54 @@ class NumpyBackend(Backend):
         self.attn_tc = self.attn_precision if self.numerics == "kernel" and on_tc else None
         return weights
 
-    def attention(self, cache, il, q, pos, pos0, n, name):
+    def attention(self, cache, il, q, pos, pos0, n, name, sinks=None, window: int = 0):
+        """Causal attention over the cache; sinks (n_head,): a logit per head that joins
+        each softmax's denominator with no value (gpt-oss); window > 0: a query at p sees
+        only keys j with p - j < window."""
         hp = self.hp
         if n > 1 and self.attn_tc:
-            return prompt_attention.attention_tc(q, cache.k[il], cache.v[il], hp, pos0,
-                                                 self.attn_tc).astype(np.float32)
+            return prompt_attention.attention_tc(q, cache.k[il], cache.v[il], hp, pos0, self.attn_tc,
+                                                 sinks=sinks, window=window).astype(np.float32)
         L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
         K = cache.k[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
         V = cache.v[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
         qh = q.reshape(n, hp.n_head_kv, g, hd).astype(_F64)
         s = np.einsum("nhgd,lhd->hgnl", qh, K) / np.sqrt(hd)
-        causal = np.arange(L)[None, :] > (pos0 + np.arange(n))[:, None]
-        s[..., causal] = -np.inf
-        s -= s.max(axis=-1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
+        gap = (pos0 + np.arange(n))[:, None] - np.arange(L)[None, :]
+        s[..., (gap < 0) | (window > 0) & (gap >= window)] = -np.inf
+        top = s.max(axis=-1, keepdims=True)
+        extra = 0.0
+        if sinks is not None:
+            sk = np.asarray(sinks, dtype=_F64).reshape(hp.n_head_kv, g, 1, 1)
+            top = np.maximum(top, sk)
+            extra = np.exp(sk - top)[..., 0]
+        p = np.exp(s - top)
+        p /= (p.sum(axis=-1) + extra)[..., None]
         return np.einsum("hgnl,lhd->nhgd", p, V).reshape(n, hp.q_dim).astype(np.float32)
 
-    def matmul(self, w, x, name):
-        if isinstance(w, NpMatrix):
-            return w.product(x).astype(np.float32)
-        raise TypeError(f"not a weight: {type(w).__name__}")
+    def matmul(self, w, x, name, bias=None):
+        """x @ w.T (+ bias: added to the float32 product, as ggml adds it)."""
+        if not isinstance(w, NpMatrix):
+            raise TypeError(f"not a weight: {type(w).__name__}")
+        y = w.product(x).astype(np.float32)
+        if bias is not None:
+            y += bias
+        return y
+
+    def add_bias_(self, y, b):
+        y += b
+
+    def add_bias_id_(self, y, b, ids):
+        """y (n, top_k, m) += b[ids]: each expert's own bias."""
+        y += b[ids]
+
+    def glu_id(self, g, u, gate_b, up_b, ids, act: str, name):
+        """act(gate + gate_b[expert]) * (up + up_b[expert]) (runtime.fused's activations)."""
+        from ..reference import activate
+        g, u = g.astype(np.float32), u.astype(np.float32)
+        if gate_b is not None:
+            g, u = g + gate_b[ids], u + up_b[ids]
+        return activate(g.astype(_F64), u.astype(_F64), act).astype(np.float32)
 
     def mul_mat_id(self, w: NpMatrix, x, ids, name):
         """out[t, j] = W[ids[t, j]] @ x[t, j or 0], one expert at a time."""

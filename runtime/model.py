@@ -11,12 +11,12 @@ import warnings
 
 import numpy as np
 
-from . import arch_qwen3moe, graph_qwen3moe
+from . import arch_gptoss, arch_qwen3moe, graph_gptoss, graph_qwen3moe
 from .convert import note
 from .gguf_file import GGUFError, GGUFFile
 from .sampling import Sampler, Sampling
 
-ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe)}
+ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe), arch_gptoss.ARCH: (arch_gptoss, graph_gptoss)}
 BACKENDS = ("cuda", "numpy")
 
 

@@ -12,6 +12,7 @@ from . import dispatch, ops
 from .kernels import grid_1d
 
 _i32, _f32 = np.int32, np.float32
+_NULL = np.uint64(0)
 ROUTER_CLUSTER_BLOCKS = 8    # routing.cuh.j2: RC_BLOCKS (the cluster's size, fixed in the kernel)
 
 
@@ -30,14 +31,16 @@ class CudaMoeOps:
     """Mixed into CudaBackend, whose plumbing (kernel, ws, _q8_of, the fusion switches and
     the PDL bookkeeping in _waited_ids) it uses."""
 
-    def moe_combine_rms_norm_(self, x, y, wts, w, eps, name):
+    def moe_combine_rms_norm_(self, x, y, wts, w, eps, name, bias=None, ids=None):
         """y None: the experts' sum is already in x (expert_down_into_); only the norm, with
-        the same arithmetic (x + 0 over no slots)."""
+        the same arithmetic (x + 0 over no slots), and each chosen expert's bias (weighted)
+        where the model has down biases (bias (E, d), with the ids)."""
         n, d = x.shape
         top_k = 0 if y is None else y.shape[1]
         out = self.ws(name, x.shape)
-        self.kernel("moe_combine_rms_norm")((n,), (1024,), (x, x if y is None else y, wts, w, out, _i32(top_k),
-                                                            _i32(d), _f32(eps), *self._norm_q8(out)))
+        self.kernel("moe_combine_rms_norm")((n,), (1024,), (
+            x, x if y is None else y, wts, w, out, _i32(top_k), _i32(d), _f32(eps), *self._norm_q8(out),
+            _NULL if bias is None else bias, _NULL if ids is None else ids, _i32(wts.shape[1])))
         return out
 
     def moe_down_combine_rms_norm_(self, L, x, act, ids, wts, w, eps, name):
@@ -45,8 +48,9 @@ class CudaMoeOps:
         if (self.fuse_down_combine and self._decoding and L.down.q is not None and n <= dispatch.MMVQ_MAX_TOKENS
                 and top_k <= 8):
             self.expert_down_into_(L, x, act, ids, wts)
-            return self.moe_combine_rms_norm_(x, None, wts, w, eps, name)
-        return super().moe_down_combine_rms_norm_(L, x, act, ids, wts, w, eps, name)
+            return self.moe_combine_rms_norm_(x, None, wts, w, eps, name, L.down_b, ids)
+        y = self.mul_mat_id(L.down, act, ids, "down")
+        return self.moe_combine_rms_norm_(x, y, wts, w, eps, name, L.down_b, ids)
 
     def expert_down_into_(self, L, x, act, ids, wts):
         """x += sum_j wts[:, j] * (W_down[ids[:, j]] act[:, j]) in the down product's own launch
@@ -85,8 +89,10 @@ class CudaMoeOps:
         the down product's quantizer (GluProducts)."""
         n, top_k = ids.shape
         w = L.gate_up if L.gate_up is not None else L.gate
+        act = self.hp.expert_act
         if w.q is None or n > dispatch.MMVQ_MAX_TOKENS:
-            if self.fuse_glu_quant and L.gate_up is not None and w.q is not None and L.down.q is not None:
+            if (self.fuse_glu_quant and L.gate_up is not None and w.q is not None and L.down.q is not None
+                    and act == "silu" and L.gate_b is None):
                 E, m, k = L.down.shape
                 choice = dispatch.choose_mul_mat_id(L.down.qtype, E, top_k, m, k, n, L.down.q.f16_fits)
                 if choice.path in ops.GLU_PATHS:
@@ -94,19 +100,20 @@ class CudaMoeOps:
             return super().expert_gate_up(L, x, ids, name)
         from .fused import Operands, run_moe_gate_up
         o = Operands(x, w.q if L.gate_up is not None else None, L.gate.q if L.gate is not None else None,
-                     L.up.q if L.up is not None else None, None, None, experts=True)
+                     L.up.q if L.up is not None else None, L.gate_b, L.up_b, experts=True)
         out = self.ws(name, (n, top_k, o.n_ff))
         q8 = self._q8_of(x)
-        run_moe_gate_up(o, ids, out, "silu", x_q8=q8)
+        run_moe_gate_up(o, ids, out, act, x_q8=q8)
         # with x quantized before, its launch is the wait-first form (or an ordinary one):
         # it passed its wait for the router before any kernel after it could launch
         self._waited_ids = (ids.data.ptr, out.data.ptr) if q8 is not None else None
         return out
 
-    def route_tokens(self, router, x, top_k, scale):
+    def route_tokens(self, router, x, top_k, scale, bias=None):
         n, k = x.shape
         if router.f is None or n > dispatch.MMVQ_MAX_TOKENS:
-            return super().route_tokens(router, x, top_k, scale)
+            return super().route_tokens(router, x, top_k, scale, bias)
+        b = _NULL if bias is None else bias
         m = router.shape[0]
         logits = self.ws("router", (n, m))
         ids = self.ws("ids", (n, top_k), np.int32)
@@ -114,13 +121,13 @@ class CudaMoeOps:
         if self.router_cluster and int(self._device()["cc"].split(".")[0]) >= 9:
             # a cluster of blocks per token, the logits gathered in one block's shared memory
             self.kernel("router_route_cluster")((ROUTER_CLUSTER_BLOCKS, n), (512,), (
-                router.f, x, logits, _i32(m), _i32(k), _i32(n), _i32(top_k), _f32(scale), ids, wts))
+                router.f, x, logits, _i32(m), _i32(k), _i32(n), _i32(top_k), _f32(scale), ids, wts, b))
             return ids, wts
         if self._counter is None:
             self._counter = self.cp.zeros(1, dtype=self.cp.uint32)   # router_route resets it after use
             self.generation += 1
         self.kernel("router_route")((-(-m // 8), n), (256,), (router.f, x, logits, _i32(m), _i32(k), _i32(n),
-                                                            _i32(top_k), _f32(scale), ids, wts, self._counter))
+                                                            _i32(top_k), _f32(scale), ids, wts, self._counter, b))
         return ids, wts
 
     def route(self, logits, top_k, scale):

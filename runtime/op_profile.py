@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 OPS = ("embed", "rms_norm", "head_norm_", "rope_", "kv_store_", "qk_norm_rope_store_", "attention", "qkv", "matmul",
        "mul_mat_id", "expert_gate_up", "route_tokens", "route", "swiglu", "swiglu_split", "moe_combine_", "add_", "add_rms_norm_",
-       "moe_combine_rms_norm_", "moe_down_combine_rms_norm_", "expert_down_into_")
+       "moe_combine_rms_norm_", "moe_down_combine_rms_norm_", "expert_down_into_", "rope_store_", "add_bias_",
+       "add_bias_id_", "glu_id")
 
 _SPIN = r"""
 extern "C" __global__ void spin_until(long long cycles) {

@@ -110,7 +110,7 @@ def f16(a) -> np.ndarray:
 ROUNDING = {"tf32": (tf32, tf32_truncated, tf32), "f16": (f16, f16, f16)}
 
 
-def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16") -> np.ndarray:
+def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16", sinks=None, window: int = 0) -> np.ndarray:
     """A tensor-core kernel's result in float64 between its rounding points. q (n, q_dim)
     float32 for positions pos0.., k and v (L, kv_dim) float32 the cache up to pos0 + n. Half h
     of each 64-key tile (keys 32h..32h+31) has its own online softmax, as in the kernels (where
@@ -131,7 +131,8 @@ def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16") -> np.ndarray:
         for j0 in range(h * HALF, L, KEYS):
             j1 = min(L, j0 + HALF)
             s = np.einsum("nhgd,lhd->hgnl", qs, ks[j0:j1])
-            s[..., np.arange(j0, j1)[None, :] > last[:, None]] = -np.inf
+            gap = last[:, None] - np.arange(j0, j1)[None, :]
+            s[..., (gap < 0) | (window > 0) & (gap >= window)] = -np.inf
             mn = np.maximum(m, s.max(axis=-1))
             base = np.where(mn == -np.inf, 0.0, mn)     # a row that has seen no key of this half
             alpha, p = np.exp2(m - base), np.exp2(s - base[..., None])
@@ -140,7 +141,12 @@ def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16") -> np.ndarray:
             m = mn
         halves.append((m, total, o))
     (ma, la, oa), (mb, lb, ob) = halves
-    top = np.maximum(ma, mb)                            # ma is finite: key 0 is in the first half
+    top = np.maximum(ma, mb)                            # finite: a row's own key is in one half
+    extra = 0.0
+    if sinks is not None:
+        sk = (np.asarray(sinks, dtype=np.float64) * np.log2(np.e)).reshape(hkv, g, 1)
+        top = np.maximum(top, sk)
+        extra = np.exp2(sk - top)
     fa, fb = np.exp2(ma - top), np.exp2(mb - top)
-    o = (oa * fa[..., None] + ob * fb[..., None]) / (la * fa + lb * fb)[..., None]
+    o = (oa * fa[..., None] + ob * fb[..., None]) / (la * fa + lb * fb + extra)[..., None]
     return o.transpose(2, 0, 1, 3).reshape(n, hp.q_dim)

@@ -12,7 +12,23 @@ from .gguf_file import GGUFError, GGUFFile
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
           r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2}
+# OpenAI's o200k split (gpt-oss's tokenizer.json, llama.cpp's "gpt-4o"): a word is an optional
+# non-letter, then either capitals and marks before lower-case ones or capitals alone (so
+# "CamelCase" splits at the capital), with an English contraction glued on; digits in runs of
+# up to three; punctuation keeps trailing newlines and slashes.
+_O200K_LETTERS_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_O200K_LETTERS_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_O200K_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K = "|".join([
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_O200K_LETTERS_UPPER}*{_O200K_LETTERS_LOWER}+{_O200K_CONTRACTION}",
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_O200K_LETTERS_UPPER}+{_O200K_LETTERS_LOWER}*{_O200K_CONTRACTION}",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2, "gpt-4o": _O200K}
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the llama.cpp parity fixtures (tests/fixtures/parity/).
 
-Writes tiny qwen3moe GGUF files with moeforge's synth writer (seeded float weights,
+Writes tiny qwen3moe and gpt-oss GGUF files with moeforge's synth writer (seeded float weights,
 quantized by gguf's reference quantizer, q4_K and q6_K by moeforge's own: bit-identical on
 every run; the K-quant files are a wider model, rows of whole super-blocks), evaluates them with
 llama.cpp on the CPU through llama-cpp-python (F32 KV cache, flash attention off, one
@@ -11,6 +11,8 @@ of the weights; the tests rewrite the GGUF files from manifest.json.
 llama-cpp-python is not a dependency of moeforge; install it to run this script:
     CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python
 (GGML_NATIVE=OFF keeps llama.cpp off AMX, whose Q4_0/Q8_0 repacking crashes on some CPUs.)
+The gpt-oss group needs a llama.cpp that knows the architecture (llama-cpp-python 0.3.16 or
+later); `--group oss` remakes only those fixtures.
 
 The token sequence is chosen, token by token, so that on every fixture the top-1 token
 leads the runner-up by MIN_MARGIN at every position and every routing decision has a gap
@@ -56,8 +58,18 @@ FIXTURES_K = {"q4_K": dict(qtype="q4_K")}
 # llama.cpp's Q4_K_M mix: q6_K head, attn_v and ffn_down in the last of the three layers
 # (moeforge converts q6_K to q8_0 as it loads; llama.cpp runs q6_K itself)
 FIXTURES_KM = {"q4_K_M": dict(qtype="q4_K_M")}
+# gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE; synth draws every bias and the sinks): three
+# layers, so that both kinds exist (0 and 2 see a sliding window, 1 every key); a window of
+# 12 and YaRN (factor 8) from an original context of 64, both short of the N_TOKENS, whose
+# ramp mixes pairs 1-3 of 16 at gpt-oss's base; mxfp4_moe: llama.cpp's MXFP4_MOE (mxfp4
+# experts, q8_0 elsewhere), the form gpt-oss is released in
+SPEC_OSS = dict(n_vocab=384, n_embd=128, n_layer=3, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=64,
+                n_expert=8, n_expert_used=3, n_ctx=256, rope_base=150000.0, rms_eps=1e-5, arch="gpt-oss",
+                n_swa=12, yarn_factor=8.0, yarn_orig_ctx=64)
+FIXTURES_OSS = {"gpt-oss-f32": dict(qtype="f32"), "gpt-oss-q8_0": dict(qtype="q8_0"),
+                "gpt-oss-mxfp4_moe": dict(qtype="mxfp4_moe")}
 GROUPS = {"base": (SPEC, FIXTURES, MIN_MARGIN), "k": (SPEC_K, FIXTURES_K, MIN_MARGIN_K),
-          "k_m": (SPEC_K, FIXTURES_KM, MIN_MARGIN_K)}
+          "k_m": (SPEC_K, FIXTURES_KM, MIN_MARGIN_K), "oss": (SPEC_OSS, FIXTURES_OSS, MIN_MARGIN)}
 
 
 def weights_sha256(path: str) -> str:

@@ -112,7 +112,8 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
             if name.startswith("attn_decode_gqa"):
                 assert "slots.request(gqa_ring + i * stage, kc, vc, sp * T + i * step, i < chunks ? cur : 0," in pre
             else:
-                assert "attn_rows<U, V, NW>(kc, vc, sp * CHUNK, cur," in pre, name
+                # from the block's first chunk (a sliding window's first, at c0) up to cur
+                assert "start = (c0 + sp) * CHUNK" in pre and "attn_rows<U, V, NW>(kc, vc, start, cur," in pre, name
             assert "q[" not in pre and "k_new" not in pre.split(")", 1)[1], name
             continue
         assert "w" in pre, name

@@ -48,6 +48,64 @@ def test_synth_cli_writes_k_quants(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k.gguf"]      # nothing half-written
 
 
+def test_synth_cli_writes_gpt_oss(tmp_path, capsys):
+    from moeforge.runtime.gguf_file import GGUFFile
+    from moeforge.runtime.model import load_model
+    path = str(tmp_path / "oss.gguf")
+    assert main(["synth", "--arch", "gpt-oss", "--preset", "tiny-oss", "--type", "mxfp4_moe", path, "--quiet"]) == 0
+    f = GGUFFile(path)
+    assert f.architecture == "gpt-oss"
+    types = {name: t.qtype for name, t in f.tensors.items()}
+    assert {types[f"blk.0.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")} == {"mxfp4"}
+    assert types["blk.0.attn_q.weight"] == types["output.weight"] == "q8_0"
+    assert types["blk.0.attn_sinks.weight"] == types["blk.0.ffn_down_exps.bias"] == "f32"
+    m = load_model(path, backend="numpy")
+    assert m.hp.n_swa == 8 and m.hp.yarn is not None
+    assert np.isfinite(m.logits([1, 2, 3])).all()
+    capsys.readouterr()
+
+
+def test_synth_cli_arch_and_preset(tmp_path, capsys, monkeypatch):
+    """The architecture is the preset's; --arch alone picks its real model (and, as --type
+    does not say, the type that model ships in); a preset of another architecture is refused."""
+    import moeforge.synth
+    calls = []
+
+    def fake_write(path, spec, qtype, **kw):
+        calls.append((spec.arch, spec.n_embd, qtype, kw["name"]))
+        return dict(path=path, bytes=0, seconds=1.0, gb_per_s=0.0, tensors=0)
+    monkeypatch.setattr(moeforge.synth, "write_model", fake_write)
+    out = str(tmp_path / "x.gguf")
+    assert main(["synth", "--arch", "gpt-oss", "--preset", "gpt-oss-20b", "--type", "mxfp4_moe", out, "--quiet"]) == 0
+    assert main(["synth", "--arch", "gpt-oss", out, "--quiet"]) == 0
+    assert main(["synth", "--preset", "tiny-oss", out, "--quiet"]) == 0
+    assert main(["synth", "--preset", "tiny-oss", "--type", "q8_0", out, "--quiet"]) == 0
+    assert main(["synth", out, "--quiet"]) == 0
+    assert main(["synth", "--arch", "qwen3moe", out, "--quiet"]) == 0
+    assert calls == [("gpt-oss", 2880, "mxfp4_moe", "moeforge-synth gpt-oss-20b mxfp4_moe"),
+                     ("gpt-oss", 2880, "mxfp4_moe", "moeforge-synth gpt-oss-20b mxfp4_moe"),
+                     ("gpt-oss", 128, "mxfp4_moe", "moeforge-synth tiny-oss mxfp4_moe"),
+                     ("gpt-oss", 128, "q8_0", "moeforge-synth tiny-oss q8_0"),
+                     ("qwen3moe", 2048, "q4_0", "moeforge-synth qwen3-30b-a3b q4_0"),
+                     ("qwen3moe", 2048, "q4_0", "moeforge-synth qwen3-30b-a3b q4_0")]
+    capsys.readouterr()
+    assert main(["synth", "--arch", "gpt-oss", "--preset", "tiny", out]) == 2
+    assert "preset 'tiny' is a qwen3moe model, not --arch gpt-oss (gpt-oss's presets: gpt-oss-20b, tiny-oss)" \
+        in capsys.readouterr().err
+    assert main(["synth", "--arch", "qwen3moe", "--preset", "tiny-oss", out]) == 2
+    assert "is a gpt-oss model, not --arch qwen3moe" in capsys.readouterr().err
+    assert main(["synth", "--preset", "tiny-oss", "--merged-gate-up", out]) == 2
+    assert "--merged-gate-up is for qwen3moe" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["synth", "--arch", "llama", out])
+    assert "invalid choice: 'llama'" in capsys.readouterr().err
+    from moeforge.cli_model import SYNTH_ARCHS, SYNTH_DEFAULTS
+    from moeforge.synth import ARCHS, PRESETS
+    assert set(SYNTH_ARCHS) == set(ARCHS) == set(SYNTH_DEFAULTS)
+    assert all(PRESETS[p].arch == a and t in moeforge.synth.TYPES for a, (p, t) in SYNTH_DEFAULTS.items())
+    assert len(calls) == 6
+
+
 @pytest.mark.skipif(has_gpu(), reason="checks the message given without a GPU")
 def test_bench_without_gpu_is_a_clear_error(tiny, capsys):
     assert main(["bench", tiny]) == 2

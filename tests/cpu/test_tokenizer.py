@@ -87,3 +87,39 @@ def test_text_stream_is_decode_piece_by_piece(gguf_path, rng):
         ids = rng.integers(0, tok.n_vocab, size=int(rng.integers(1, 30))).tolist()
         s = tok.stream()
         assert "".join(s.add(t) for t in ids) + s.flush() == tok.decode(ids)
+
+
+def _pieces(pattern: str, text: str) -> list[str]:
+    from tokenizers import Regex, pre_tokenizers
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+    return [p for p, _ in split.pre_tokenize_str(text)]
+
+
+def test_gpt4o_split():
+    """gpt-oss's o200k pre-tokenizer ("gpt-4o" in llama.cpp): capitals start a word, a
+    contraction stays on its word whatever its case, digits go in threes, punctuation keeps
+    its newlines and slashes."""
+    from moeforge.runtime.tokenizer import PRE_PATTERNS
+    pat = PRE_PATTERNS["gpt-4o"]
+    assert _pieces(pat, "Hello world's 12345 CAPS\n\n  x") == [
+        "Hello", " world's", " ", "123", "45", " CAPS", "\n\n", " ", " x"]
+    assert _pieces(pat, "CamelCase HELLO'S don'T a/b/\n\nc\r\n") == [
+        "Camel", "Case", " HELLO'S", " don'T", " a", "/b", "/\n\n", "c", "\r\n"]
+    assert _pieces(pat, " ünïcødé ÉCOLE Straße 中文 🙂1234567 ...\tend") == [
+        " ünïcødé", " ÉCOLE", " Straße", " 中文", " 🙂", "123", "456", "7", " ...", "\tend"]
+    # Qwen2's split differs on exactly these: one digit at a time, CamelCase whole
+    assert _pieces(PRE_PATTERNS["qwen2"], "CamelCase 12345") == ["CamelCase", " ", "1", "2", "3", "4", "5"]
+
+
+def test_gpt4o_vocabulary_loads(gguf_path):
+    from moeforge.runtime.tokenizer import Tokenizer
+    f = GGUFFile(gguf_path)
+    f.metadata["tokenizer.ggml.pre"] = "gpt-4o"
+    tok = Tokenizer.from_gguf(f)
+    pieces = [p for p, _ in tok._tok.pre_tokenizer.pre_tokenize_str("Hello world's 12345")]
+    assert pieces == ["Hello", "\u0120world's", "\u0120", "123", "45"]     # byte-level: space is \u0120
+    for text in ("Hello world's 12345 CAPS\n\n  x", "Ünïcødé ✓ 中文 🙂 123456"):
+        assert tok.decode(tok.encode(text)) == text
+    f.metadata["tokenizer.ggml.pre"] = "o200k-nope"
+    with pytest.raises(GGUFError, match="gpt-4o"):
+        Tokenizer.from_gguf(f)

@@ -226,6 +226,7 @@ def test_fused_model_kernels_match_their_compositions(parity_models):
     q, k, v = rnd(n, hp.q_dim), rnd(n, hp.kv_dim), rnd(n, hp.kv_dim)
     got_c, want_c = B.new_cache(64), B.new_cache(64)
     q1, k1, q2, k2 = q.copy(), k.copy(), q.copy(), k.copy()
+    cp.cuda.Stream.null.synchronize()     # the backend's stream does not wait for the default one
     with B.context():
         B.qk_norm_rope_store_(got_c, 1, q1, k1, v, L, pos, 0)
         Backend.qk_norm_rope_store_(B, want_c, 1, q2, k2, v, L, pos, 0)
@@ -234,9 +235,11 @@ def test_fused_model_kernels_match_their_compositions(parity_models):
         np.testing.assert_allclose(a.get(), b.get(), rtol=2e-5, atol=2e-5)
     x, y, w = rnd(n, hp.n_embd), rnd(n, hp.n_embd), rnd(hp.n_embd)
     y3, wts = rnd(n, hp.n_expert_used, hp.n_embd), rnd(n, hp.n_expert_used)
+    cp.cuda.Stream.null.synchronize()
     for fused, plain, args in ((B.add_rms_norm_, Backend.add_rms_norm_, (y, w)),
                                (B.moe_combine_rms_norm_, Backend.moe_combine_rms_norm_, (y3, wts, w))):
         xa, xb = x.copy(), x.copy()
+        cp.cuda.Stream.null.synchronize()
         with B.context():
             ha = fused(xa, *args, hp.rms_eps, "h_fused").copy()
             hb = plain(B, xb, *args, hp.rms_eps, "h_plain").copy()
@@ -281,8 +284,8 @@ def test_router_and_routing_in_one_launch(parity_models, n, cluster):
     assert L.router.f is not None, "the fixture's router should be float32"
     rng = np.random.default_rng()
     for _ in range(3):
-        h = cp.asarray(rng.standard_normal((n, hp.n_embd)).astype(np.float32))
-        with B.context():
+        with B.context():       # on the backend's stream: it does not wait for the default one
+            h = cp.asarray(rng.standard_normal((n, hp.n_embd)).astype(np.float32))
             ia, wa = (a.copy() for a in B.route_tokens(L.router, h, hp.n_expert_used, 1.0))
             ib, wb = (a.copy() for a in Backend.route_tokens(B, L.router, h, hp.n_expert_used, 1.0))
             B.synchronize()
@@ -306,6 +309,7 @@ def test_router_cluster_at_model_sizes(E, k, top_k):
     rng = np.random.default_rng()
     w = (rng.standard_normal((E, k)) / np.sqrt(k)).astype(np.float32)
     router = SimpleNamespace(f=cp.asarray(w), shape=(E, k))
+    cp.cuda.Stream.null.synchronize()     # the backend's stream does not wait for the default one
     for n in (1, 3):
         x = rng.standard_normal((n, k)).astype(np.float32)
         got = []

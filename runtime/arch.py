@@ -1,0 +1,136 @@
+"""What every architecture's loader hands the backends: hyperparameters, the tensors of
+each layer (optional ones None where an architecture has no such tensor), and the merges
+made at load time. Architectures: runtime.arch_qwen3moe, runtime.arch_gptoss.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gguf_file import TensorRef
+
+
+@dataclass(frozen=True)
+class YaRN:
+    """RoPE with YaRN context extension, in ggml's terms (ggml_rope_ext): frequencies
+    interpolated by freq_scale except for the fastest-turning dimensions (a ramp between
+    the correction dimensions beta_fast and beta_slow pick), and cos and sin scaled by
+    attn_factor * (1 + 0.1 ln(1 / freq_scale))."""
+    freq_scale: float
+    n_ctx_orig: int
+    ext_factor: float = 1.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def corr_dims(self, n_dims: int, base: float) -> tuple[float, float]:
+        def dim(rot):
+            return n_dims * math.log(self.n_ctx_orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+        return max(0.0, math.floor(dim(self.beta_fast))), min(n_dims - 1.0, math.ceil(dim(self.beta_slow)))
+
+    def mscale(self) -> float:
+        m = self.attn_factor
+        if self.ext_factor != 0.0:
+            m *= 1.0 + 0.1 * math.log(1.0 / self.freq_scale)
+        return m
+
+
+@dataclass(frozen=True)
+class HParams:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff_exp: int
+    n_expert: int
+    n_expert_used: int
+    rms_eps: float
+    rope_base: float
+    n_ctx_train: int
+    expert_weights_scale: float = 0.0   # 0 or 1: no scaling (llama.cpp's convention)
+    # gpt-oss: YaRN-scaled RoPE, a sliding window on some layers, its own expert activation
+    yarn: YaRN | None = None
+    n_swa: int = 0                      # the sliding window's length in tokens (0: none)
+    swa_pattern: int = 0                # layer il slides where il % swa_pattern < swa_pattern - 1
+    expert_act: str = "silu"            # or "swiglu_oai"
+
+    def window(self, il: int) -> int:
+        """Layer il's sliding window (a query at p sees keys p - window < j <= p), 0: all."""
+        if self.n_swa and self.swa_pattern and il % self.swa_pattern < self.swa_pattern - 1:
+            return self.n_swa
+        return 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
+def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
+    """(E, ff, k) gate and up -> (E, 2*ff, k), gate rows first: one GEMM instead of two.
+    The concatenation is made where the bytes are loaded to (load(cupy): on the device)."""
+    E, ff, k = gate.shape
+
+    def load(xp=np):
+        g, u = gate.load(xp), up.load(xp)
+        return xp.concatenate([g.reshape(E, ff, -1), u.reshape(E, ff, -1)], axis=1).reshape(E * 2 * ff, -1)
+
+    return TensorRef(name, gate.qtype, (E, 2 * ff, k), load)
+
+
+def merge_rows(parts: list[TensorRef], name: str) -> TensorRef:
+    """2-D tensors of one type and width stacked by rows (q, k and v: one product)."""
+    rows = sum(p.shape[0] for p in parts)
+
+    def load(xp=np):
+        return xp.concatenate([p.load(xp).reshape(p.shape[0], -1) for p in parts], axis=0)
+
+    return TensorRef(name, parts[0].qtype, (rows, parts[0].shape[1]), load)
+
+
+@dataclass
+class LayerRefs:
+    attn_norm: TensorRef
+    wq: TensorRef
+    wk: TensorRef
+    wv: TensorRef
+    wo: TensorRef
+    q_norm: TensorRef | None      # qwen3moe's per-head RMSNorm of q and k
+    k_norm: TensorRef | None
+    ffn_norm: TensorRef
+    router: TensorRef
+    down: TensorRef
+    gate_up: TensorRef | None = None      # merged, gate rows first
+    gate: TensorRef | None = None         # separate, where types differ
+    up: TensorRef | None = None
+    # gpt-oss: biases of every product, the attention sinks (a logit per head)
+    bq: TensorRef | None = None
+    bk: TensorRef | None = None
+    bv: TensorRef | None = None
+    bo: TensorRef | None = None
+    sinks: TensorRef | None = None
+    router_b: TensorRef | None = None
+    gate_b: TensorRef | None = None       # (E, ff); with gate_up merged: gate_up_b (E, 2 ff)
+    up_b: TensorRef | None = None
+    down_b: TensorRef | None = None       # (E, d)
+
+
+@dataclass
+class ModelRefs:
+    hp: HParams
+    tok_embd: TensorRef
+    output_norm: TensorRef
+    output: TensorRef          # the embedding itself when the file ties them
+    layers: list[LayerRefs]
+
+    def attention_quantized(self) -> bool:
+        """Every q, k, v and output projection quantized: the prompt attention may then run
+        on f16 tensor cores (runtime.prompt_attention)."""
+        return all(t.quantized for L in self.layers for t in (L.wq, L.wk, L.wv, L.wo))

@@ -1,0 +1,143 @@
+"""gpt-oss on the CUDA backend (pytest -m gpu): sinks, sliding windows, YaRN RoPE, biases
+and SwiGLU-OAI experts, against the numpy backend that emulates the kernels, through every
+attention kernel (decode with and without splits, the three prompt kernels, cuBLAS's path),
+both cache types, prompts over several ubatches and decode past the window."""
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import kl_per_token
+from moeforge.runtime.model import load_model
+from moeforge.synth import preset, write_model
+
+pytestmark = pytest.mark.gpu
+
+# tiny-oss: 4 layers (0 and 2 slide over 8 tokens), YaRN x4 past 64 positions, hd 32, g 2
+N_TOKENS = 150
+
+
+@pytest.fixture(scope="module")
+def oss_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("oss")
+    seed = int(np.random.default_rng().integers(1 << 30))
+    out = {}
+    for t in ("f32", "q8_0", "mxfp4_moe"):
+        p = d / f"tiny-oss-{t}.gguf"
+        write_model(p, preset("tiny-oss"), t, source="float", seed=seed)
+        out[t] = str(p)
+    toks = np.random.default_rng(seed).integers(0, 512, N_TOKENS)
+    return out, toks, seed
+
+
+def _close(got, ref, name, seed):
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    if name == "f32":
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < 1e-3, f"seed {seed}: max abs difference {err:.2e} relative to the largest logit"
+        return
+    # Quantized: a last-bit difference can cross a q8_1 rounding boundary of the next layer
+    # (test_model_cuda._close), and a random tiny gpt-oss amplifies such flips ~10x more than
+    # a tiny qwen3moe (numpy, q8_0: q8_1 activations against float ones KL 3e-3 to 5e-3, f16
+    # against f32 prompt attention 5e-4 to 2e-3; qwen3moe's 6e-5 to 6e-4). The kernels' own
+    # arithmetic is checked elementwise on the f32 model; here the bar is the issue's parity
+    # one (KL < 1e-3), which a wrong bias, expert or window misses by orders of magnitude.
+    top = got.argmax(-1) == ref.argmax(-1)
+    assert top.mean() > 0.9, f"seed {seed}: top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
+    kl = kl_per_token(ref, got)
+    assert kl.mean() < 1e-3, f"seed {seed}: mean KL {kl.mean():.2e}"
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-f32", "gpt-oss-q8_0", "gpt-oss-mxfp4_moe"])
+def test_cuda_matches_llama_cpp(parity_models, name):
+    """Issue 4's bar on llama.cpp's gpt-oss fixtures (tests/fixtures/parity: windows, sinks,
+    YaRN past its original context, all the biases): the same top-1 at every position,
+    mean KL per token < 1e-3; float weights also elementwise."""
+    fx = parity_models[name]
+    got = load_model(fx["path"], backend="cuda").logits(fx["tokens"])
+    assert got.shape == fx["logits"].shape and np.isfinite(got).all()
+    top = got.argmax(-1) == fx["logits"].argmax(-1)
+    assert top.all(), f"top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
+    kl = kl_per_token(fx["logits"], got)
+    assert kl.mean() < 1e-3, f"mean KL {kl.mean():.2e} (max {kl.max():.2e})"
+    if name.endswith("f32"):
+        assert np.abs(got - fx["logits"]).max() < 1e-3
+
+
+@pytest.mark.parametrize("name", ["f32", "q8_0", "mxfp4_moe"])
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+def test_prompt_matches_emulation(oss_models, name, cache_type):
+    """A prompt in ubatches of 64 (windows that start inside a ubatch and before it)."""
+    paths, toks, seed = oss_models
+    kw = dict(cache_type=cache_type, n_ubatch=64)
+    got = load_model(paths[name], backend="cuda", **kw).logits(toks)
+    ref = load_model(paths[name], backend="numpy", numerics="kernel", **kw).logits(toks)
+    _close(got, ref, name, seed)
+
+
+@pytest.mark.parametrize("precision", ["f32", "tf32", "f16", "cublas"])
+def test_every_prompt_attention_kernel(oss_models, precision, monkeypatch):
+    """attn_prefill, attn_prefill_tc, attn_prefill_f16, and the cuBLAS path's softmax."""
+    paths, toks, seed = oss_models
+    if precision == "cublas":
+        from moeforge.runtime import prompt_attention
+        monkeypatch.setattr(prompt_attention, "kernel_for", lambda *a, **k: None)
+        got = load_model(paths["f32"], backend="cuda", attn_precision="f32").logits(toks)
+        ref = load_model(paths["f32"], backend="numpy", numerics="kernel", attn_precision="f32").logits(toks)
+    else:
+        got = load_model(paths["f32"], backend="cuda", attn_precision=precision).logits(toks)
+        ref = load_model(paths["f32"], backend="numpy", numerics="kernel", attn_precision=precision).logits(toks)
+    _close(got, ref, "f32", seed)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+def test_decode_past_the_window(oss_models, splits, cache_type):
+    """Decode steps (CUDA graph) after a 100-token prompt, at positions past the window and
+    past a block's chunk of 128 positions (the window's first chunk is then not the
+    context's), with one or several blocks per head, elementwise against the numpy
+    backend doing the same steps (the f32 model: nothing rounds but float32 order)."""
+    paths, toks, seed = oss_models
+    outs = []
+    for backend in ("cuda", "numpy"):
+        m = load_model(paths["f32"], backend=backend, cache_type=cache_type,
+                       **({} if backend == "cuda" else {"numerics": "kernel"}))
+        if backend == "cuda":
+            m.backend.decode_attn_splits = splits
+        m.reset(len(toks))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m.eval(toks[:100])
+            outs.append(np.concatenate([m.eval([t]) for t in toks[100:]]))
+        if backend == "cuda":
+            assert m.backend.graphs.captured("decode")
+    _close(outs[0], outs[1], "f32", seed)
+
+
+def test_decode_matches_numpy_token_by_token(oss_models):
+    paths, toks, seed = oss_models
+    got = load_model(paths["mxfp4_moe"], backend="cuda")
+    ref = load_model(paths["mxfp4_moe"], backend="numpy", numerics="kernel")
+    for m in (got, ref):
+        m.reset(40)
+    a = np.concatenate([got.eval([t]) for t in toks[:40]])
+    b = np.concatenate([ref.eval([t]) for t in toks[:40]])
+    _close(a, b, "mxfp4_moe", seed)
+
+
+def test_batches_past_decode_sizes_take_the_grouped_products(oss_models, monkeypatch):
+    """9 to 64 tokens a step: grouped expert products, the SwiGLU-OAI kernel with biases
+    (glu_oai_id), the down biases (add_bias_id); with gate and up kept separate too."""
+    paths, toks, seed = oss_models
+    for merge in (True, False):
+        got = load_model(paths["q8_0"], backend="cuda", merge_gate_up=merge, n_ubatch=9).logits(toks[:45])
+        ref = load_model(paths["q8_0"], backend="numpy", numerics="kernel", n_ubatch=9).logits(toks[:45])
+        _close(got, ref, "q8_0", seed)
+
+
+def test_generate_matches_numpy(oss_models):
+    paths, toks, seed = oss_models
+    prompt = toks[:12]
+    a = load_model(paths["f32"], backend="cuda").generate(prompt, 16)
+    b = load_model(paths["f32"], backend="numpy", numerics="kernel").generate(prompt, 16)
+    assert a == b, f"seed {seed}: {a} vs {b}"
