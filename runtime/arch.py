@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_file import TensorRef
+from .convert import converted, converted_types
+from .gguf_file import GGUFFile, TensorRef
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,26 @@ def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
         return xp.concatenate([g.reshape(E, ff, -1), u.reshape(E, ff, -1)], axis=1).reshape(E * 2 * ff, -1)
 
     return TensorRef(name, gate.qtype, (E, 2 * ff, k), load)
+
+
+def file_tensors(f: GGUFFile) -> dict[str, TensorRef]:
+    """The file's tensors as the backends load them: types without kernels (q3_K, ...) as
+    q8_0 (check_tensors allowed only those, ours and floats, checked as the file has them)."""
+    convert = converted_types()
+    return {name: converted(ref) if ref.qtype in convert else ref for name, ref in f.tensors.items()}
+
+
+def set_gate_up(L: "LayerRefs", T: dict[str, TensorRef], b: str, merge: bool) -> None:
+    """L's expert gate and up: the file's merged tensor, or its two merged at load time
+    where their types agree (merge), else the two as they are."""
+    if b + "ffn_gate_up_exps.weight" in T:
+        L.gate_up = T[b + "ffn_gate_up_exps.weight"]
+        return
+    g, u = T[b + "ffn_gate_exps.weight"], T[b + "ffn_up_exps.weight"]
+    if merge and g.qtype == u.qtype:
+        L.gate_up = merge_gate_up(g, u, b + "ffn_gate_up_exps.weight")
+    else:
+        L.gate, L.up = g, u
 
 
 def merge_rows(parts: list[TensorRef], name: str) -> TensorRef:

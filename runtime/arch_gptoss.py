@@ -12,8 +12,7 @@ chosen); the experts use SwiGLU-OAI (runtime.arch.HParams.expert_act).
 """
 from __future__ import annotations
 
-from .arch import HParams, LayerRefs, ModelRefs, YaRN, merge_gate_up
-from .convert import converted, converted_types
+from .arch import HParams, LayerRefs, ModelRefs, YaRN, file_tensors, set_gate_up
 from .gguf_file import Expect, GGUFError, GGUFFile, check_tensors
 
 ARCH = "gpt-oss"
@@ -111,8 +110,7 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""
     hp = read_hparams(f)
     check_tensors(f, expected_tensors(hp, f))
-    convert = converted_types()
-    T = {name: converted(ref) if ref.qtype in convert else ref for name, ref in f.tensors.items()}
+    T = file_tensors(f)
     layers = []
     for i in range(hp.n_layer):
         b = f"blk.{i}."
@@ -124,11 +122,7 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
                       bo=T[b + "attn_output.bias"], sinks=T[b + "attn_sinks.weight"],
                       router_b=T[b + "ffn_gate_inp.bias"], gate_b=T[b + "ffn_gate_exps.bias"],
                       up_b=T[b + "ffn_up_exps.bias"], down_b=T[b + "ffn_down_exps.bias"])
-        g, u = T[b + "ffn_gate_exps.weight"], T[b + "ffn_up_exps.weight"]
-        if merge and g.qtype == u.qtype:
-            L.gate_up = merge_gate_up(g, u, b + "ffn_gate_up_exps.weight")
-        else:
-            L.gate, L.up = g, u
+        set_gate_up(L, T, b, merge)         # the file holds them apart (the merged key is never there)
         layers.append(L)
     output = T.get("output.weight", T["token_embd.weight"])
     return ModelRefs(hp, T["token_embd.weight"], T["output_norm.weight"], output, layers)

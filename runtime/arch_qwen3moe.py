@@ -7,8 +7,7 @@ file from `moeforge synth` load alike.
 """
 from __future__ import annotations
 
-from .arch import HParams, LayerRefs, ModelRefs, merge_gate_up, merge_rows  # noqa: F401  (merge_rows: re-exported)
-from .convert import converted, converted_types
+from .arch import HParams, LayerRefs, ModelRefs, file_tensors, set_gate_up
 from .gguf_file import Expect, GGUFError, GGUFFile, check_tensors
 
 ARCH = "qwen3moe"
@@ -91,10 +90,7 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""
     hp = read_hparams(f)
     check_tensors(f, expected_tensors(hp, f))
-    # types without kernels (q3_K, ...) load as q8_0; check_tensors allowed only those, ours
-    # and floats (Expect.types), checked as the file has them
-    convert = converted_types()
-    T = {name: converted(ref) if ref.qtype in convert else ref for name, ref in f.tensors.items()}
+    T = file_tensors(f)
     layers = []
     for i in range(hp.n_layer):
         b = f"blk.{i}."
@@ -102,14 +98,7 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
                       T[b + "attn_v.weight"], T[b + "attn_output.weight"], T[b + "attn_q_norm.weight"],
                       T[b + "attn_k_norm.weight"], T[b + "ffn_norm.weight"], T[b + "ffn_gate_inp.weight"],
                       T[b + "ffn_down_exps.weight"])
-        if b + "ffn_gate_up_exps.weight" in T:
-            L.gate_up = T[b + "ffn_gate_up_exps.weight"]
-        else:
-            g, u = T[b + "ffn_gate_exps.weight"], T[b + "ffn_up_exps.weight"]
-            if merge and g.qtype == u.qtype:
-                L.gate_up = merge_gate_up(g, u, b + "ffn_gate_up_exps.weight")
-            else:
-                L.gate, L.up = g, u
+        set_gate_up(L, T, b, merge)
         layers.append(L)
     output = T.get("output.weight", T["token_embd.weight"])
     return ModelRefs(hp, T["token_embd.weight"], T["output_norm.weight"], output, layers)

@@ -180,7 +180,7 @@ class CudaBackend(CudaMoeOps, Backend):
         parts = (L.wq, L.wk, L.wv)
         if not all(p.quantized and p.qtype == L.wq.qtype for p in parts):
             return None
-        from .arch_qwen3moe import merge_rows
+        from .arch import merge_rows
         return self.matrix(merge_rows(list(parts), L.wq.name.replace("attn_q", "attn_qkv")))
 
     # -- ops ------------------------------------------------------------------------------------

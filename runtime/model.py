@@ -166,10 +166,16 @@ class Model:
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """The tokens that end a generation, from the GGUF metadata (end of sequence, end of
-        turn), as llama.cpp stops on them."""
+        turn), as llama.cpp stops on them. gpt-oss's harmony vocabulary (it has <|return|> and
+        <|call|>): a reply ends with one of those two, and <|end|>, which only closes a
+        message (the reasoning before the final answer), is not one (llama.cpp's rule)."""
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-        found = (self.file.get(k, kind=int) for k in keys)
-        return tuple(dict.fromkeys(int(v) for v in found if v is not None and v < self.hp.n_vocab))
+        found = [int(v) for v in (self.file.get(k, kind=int) for k in keys) if v is not None]
+        tokens = self.file.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list) and "<|return|>" in tokens and "<|call|>" in tokens:
+            end = tokens.index("<|end|>") if "<|end|>" in tokens else None
+            found = [t for t in found if t != end] + [tokens.index("<|return|>"), tokens.index("<|call|>")]
+        return tuple(dict.fromkeys(t for t in found if t < self.hp.n_vocab))
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True, **variables) -> list[int]:
         """The token ids of `messages` in the file's chat template (runtime.chat), ending in

@@ -299,3 +299,17 @@ def test_window_and_yarn_change_the_model_as_expected(tiny_oss, tmp_path, rng):
     got = load_model(plain, backend="numpy").logits(toks)
     assert load_model(plain, backend="numpy").hp.yarn is None
     assert (np.abs(got - base).max(axis=-1)[1:] > 1e-3).all()
+
+
+def test_harmony_vocabulary_ends_a_reply_at_return_or_call(tiny_oss):
+    """gpt-oss's <|end|> closes the reasoning message, not the reply: with <|return|> and
+    <|call|> in the vocabulary those two end a generation and <|end|> does not (llama.cpp's
+    rule for the harmony tokenizer); without them the metadata's end of turn stands."""
+    m = load_model(tiny_oss, backend="numpy")
+    md = m.file.metadata
+    tokens = list(md["tokenizer.ggml.tokens"])
+    md["tokenizer.ggml.eos_token_id"], md["tokenizer.ggml.eot_token_id"] = 11, 13
+    assert set(m.eos_ids) == {11, 13}
+    tokens[11], tokens[12], tokens[13] = "<|return|>", "<|call|>", "<|end|>"
+    md["tokenizer.ggml.tokens"] = tokens
+    assert set(m.eos_ids) == {11, 12}

@@ -50,7 +50,8 @@ def test_bad_bytes_are_refused_before_upload(rng):
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_K"])
 def test_model_merges_on_the_device_equal_the_host(tmp_path, qtype):
     import cupy as cp
-    from moeforge.runtime.arch_qwen3moe import merge_rows, open_model
+    from moeforge.runtime.arch import merge_rows
+    from moeforge.runtime.arch_qwen3moe import open_model
     from moeforge.runtime.gguf_file import GGUFFile
     from moeforge.synth import preset, write_qwen3moe
     path = str(tmp_path / f"tiny-{qtype}.gguf")
