@@ -20,6 +20,10 @@ def add_run_command(sub) -> None:
     r.add_argument("--system", default=None, help="a system message for the chat")
     r.add_argument("--no-think", action="store_true",
                    help="pass enable_thinking=false to the chat template (Qwen3's switch)")
+    r.add_argument("--reasoning-format", default="auto", choices=("auto", "none"),
+                   help="auto (default): in a chat, the reply's reasoning (<think>, gpt-oss's analysis channel) "
+                        "goes to stderr and only the answer to stdout (and into the conversation); none: the "
+                        "reply's text as it is")
     r.add_argument("--temp", type=float, default=0.0,
                    help="temperature; 0 (the default) is greedy; llama.cpp's default is 0.8")
     r.add_argument("--top-k", type=int, default=40, help="keep the k most probable tokens (0: off; default 40)")
@@ -49,16 +53,31 @@ def _sampling(args):
         raise SystemExit(f"moeforge run: {e}") from None
 
 
-def _stream(model, ids: list[int], n: int, sampling, ignore_eos: bool) -> list[int]:
-    """Generate, printing the text as it comes; then the prompt's and the tokens' speed."""
+def _stream(model, ids: list[int], n: int, sampling, ignore_eos: bool, reasoning: str | None = None) -> str:
+    """Generate, printing the text as it comes, then the prompt's and the tokens' speed; the
+    reply's text. reasoning (a runtime.reasoning format): its reasoning goes to stderr, the
+    answer (returned) to stdout."""
     from .runtime.generation import Generation
+    from .runtime.reasoning import ReasoningSplit
     gen = Generation(model, ids, n, sampling, eos=not ignore_eos)
+    parts = ReasoningSplit(reasoning, model.tokenizer.decode(ids[-8:])) if reasoning else None
+    answer = []
     t0 = time.perf_counter()
+
+    def put(kind: str, piece: str) -> None:
+        out = sys.stderr if kind == "reasoning" else sys.stdout
+        if kind == "content":
+            answer.append(piece)
+        out.write(piece)
+        out.flush()
+
     def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+        for kind, p in (parts.add(piece) if parts else [("content", piece)]):
+            put(kind, p)
 
     gen.run(on_text=show)
+    for kind, p in (parts.flush() if parts else []):
+        put(kind, p)
     t1 = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -68,7 +87,7 @@ def _stream(model, ids: list[int], n: int, sampling, ignore_eos: bool) -> list[i
     rate = lambda c, s: f"{c / s:.1f} t/s" if s > 0 and c else "-"  # noqa: E731
     print(f"moeforge run: prompt {len(ids)} tokens in {tp:.3f} s ({rate(len(ids), tp)}), "
           f"generated {k} tokens ({rate(k - 1, t1 - t0 - tp)} after the first)", file=sys.stderr)
-    return gen.tokens
+    return "".join(answer)
 
 
 def _cmd_run(args) -> int:
@@ -86,6 +105,7 @@ def _cmd_run(args) -> int:
         _stream(model, ids, 32 if args.n is None else args.n, sampling, args.ignore_eos)
         return 0
     variables = {"enable_thinking": False} if args.no_think else {}
+    reasoning = model.reasoning_format if args.reasoning_format == "auto" else None
     messages = [{"role": "system", "content": args.system}] if args.system else []
     turns = [args.prompt] if args.prompt is not None else []
 
@@ -106,6 +126,8 @@ def _cmd_run(args) -> int:
             ids = model.chat_prompt(messages, **variables)
         except ValueError as e:
             raise SystemExit(f"moeforge run: {e}") from None
-        reply = _stream(model, ids, 512 if args.n is None else args.n, sampling, args.ignore_eos)
-        messages.append({"role": "assistant", "content": tok.decode(reply)})
+        # the answer alone goes into the conversation (templates drop the reasoning of earlier
+        # turns, and gpt-oss's refuses channel markers in a message's content)
+        reply = _stream(model, ids, 512 if args.n is None else args.n, sampling, args.ignore_eos, reasoning)
+        messages.append({"role": "assistant", "content": reply})
     return 0

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from .logprobs import MAX_TOP, chat_logprobs, completion_logprobs, sequence_logprobs
 from .runtime.generation import Generation
+from .runtime.reasoning import ReasoningSplit, split
 
 # request fields and their types; top_k, min_p and repeat_penalty are llama.cpp's extensions
 FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
@@ -80,10 +81,16 @@ def sampling_of(req: dict):
         raise RequestError(str(e)) from None
 
 
+REASONING = ("auto", "none")
+
+
 class Server(HTTPServer):
-    def __init__(self, address, model, name: str, n_ctx: int, quiet: bool = False):
+    def __init__(self, address, model, name: str, n_ctx: int, quiet: bool = False, reasoning: str = "auto"):
         super().__init__(address, Handler)
         self.model, self.model_name, self.n_ctx, self.quiet = model, name, n_ctx, quiet
+        # chat replies: the reasoning as `reasoning_content`, apart from `content` (as llama.cpp's
+        # --reasoning-format and vLLM's reasoning parsers give it); "none": the text as it is
+        self.reasoning = model.reasoning_format if reasoning == "auto" else None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -139,6 +146,11 @@ class Handler(BaseHTTPRequestHandler):
         m, choice = self.server.model, {"index": 0, "finish_reason": gen.finish}
         if chat:
             choice["message"] = {"role": "assistant", "content": gen.text}
+            if self.server.reasoning:
+                thought, answer = split(self.server.reasoning, gen.text, self._prompt_tail(gen))
+                choice["message"]["content"] = answer
+                if thought:
+                    choice["message"]["reasoning_content"] = thought
             if req.get("logprobs"):
                 scored = sequence_logprobs(m, gen.ids + gen.tokens, len(gen.ids), req.get("top_logprobs", 0))
                 choice["logprobs"] = chat_logprobs(m.tokenizer, scored)
@@ -168,6 +180,10 @@ class Handler(BaseHTTPRequestHandler):
                                f"{self.server.n_ctx} tokens (moeforge serve --ctx)")
         return Generation(m, ids, n, sampling, req["stop"])
 
+    def _prompt_tail(self, gen: Generation) -> str:
+        """The prompt's last tokens as text (a template may open the reasoning there)."""
+        return self.server.model.tokenizer.decode(gen.ids[-8:])
+
     def _head(self, chat: bool, chunk: bool = False) -> dict:
         kind = "chat.completion" if chat else "text_completion"
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
@@ -190,9 +206,20 @@ class Handler(BaseHTTPRequestHandler):
             body = {"delta": {"content": text}} if chat else {"text": text}
             return {"index": 0, "finish_reason": finish, **body}
 
+        parts = ReasoningSplit(self.server.reasoning, self._prompt_tail(gen)) if chat and self.server.reasoning \
+            else None
+
+        def put(pieces) -> None:
+            for kind, p in pieces:
+                event({"index": 0, "finish_reason": None,
+                       "delta": {"reasoning_content" if kind == "reasoning" else "content": p}})
+
         def send(piece: str) -> bool:
             try:
-                event(delta(piece))
+                if parts is None:
+                    event(delta(piece))
+                else:
+                    put(parts.add(piece))
                 return False
             except OSError:          # the client closed the stream: stop generating for it
                 return True
@@ -201,6 +228,8 @@ class Handler(BaseHTTPRequestHandler):
             if chat:
                 event({"index": 0, "finish_reason": None, "delta": {"role": "assistant"}})
             gen.run(on_text=send)
+            if parts is not None:
+                put(parts.flush())
             event(delta("", gen.finish))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
@@ -218,15 +247,20 @@ def add_serve_command(sub) -> None:
     s.add_argument("--alias", default=None, help="the model's name in the API (default: the file's name)")
     s.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
     s.add_argument("--quiet", action="store_true", help="no request log")
+    s.add_argument("--reasoning-format", default="auto", choices=REASONING,
+                   help="auto (default): a chat reply's reasoning (<think>, gpt-oss's analysis channel) as "
+                        "reasoning_content, apart from content; none: the reply's text as it is")
     _attn_precision_arg(s)
     s.set_defaults(func=_cmd_serve)
 
 
 def make_server(model, host: str = "127.0.0.1", port: int = 8080, n_ctx: int = 4096, name: str = "model",
-                quiet: bool = False) -> Server:
+                quiet: bool = False, reasoning: str = "auto") -> Server:
     if n_ctx < 2:
         raise ValueError(f"the context must hold at least 2 tokens, got {n_ctx}")
-    return Server((host, port), model, name, n_ctx, quiet)
+    if reasoning not in REASONING:
+        raise ValueError(f"reasoning must be one of {REASONING}, got {reasoning!r}")
+    return Server((host, port), model, name, n_ctx, quiet, reasoning)
 
 
 def _cmd_serve(args) -> int:
@@ -236,7 +270,7 @@ def _cmd_serve(args) -> int:
     from .cli_model import _load
     model = _load(args)
     name = args.alias or os.path.basename(args.model)
-    srv = make_server(model, args.host, args.port, args.ctx, name, args.quiet)
+    srv = make_server(model, args.host, args.port, args.ctx, name, args.quiet, args.reasoning_format)
     print(f"moeforge serve: {name} on http://{srv.server_address[0]}:{srv.server_address[1]} "
           f"(/v1/completions, /v1/chat/completions, /v1/models, /health)", file=sys.stderr, flush=True)
     try:

@@ -177,6 +177,14 @@ class Model:
             found = [t for t in found if t != end] + [tokens.index("<|return|>"), tokens.index("<|call|>")]
         return tuple(dict.fromkeys(t for t in found if t < self.hp.n_vocab))
 
+    @property
+    def reasoning_format(self) -> str | None:
+        """How a chat reply marks its reasoning, from the vocabulary: "think" (<think>..</think>),
+        "harmony" (gpt-oss's channels) or None (runtime.reasoning)."""
+        from .reasoning import format_of
+        tokens = self.file.get("tokenizer.ggml.tokens")
+        return format_of(tokens) if isinstance(tokens, list) else None
+
     def chat_prompt(self, messages, add_generation_prompt: bool = True, **variables) -> list[int]:
         """The token ids of `messages` in the file's chat template (runtime.chat), ending in
         the assistant's turn; `variables` reach the template (Qwen3: enable_thinking=False)."""
