@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .convert import converted, converted_types
-from .gguf_file import GGUFFile, TensorRef
+from .gguf_file import Expect, GGUFFile, TensorRef, check_tensors
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,22 @@ def set_gate_up(L: "LayerRefs", T: dict[str, TensorRef], b: str, merge: bool) ->
         L.gate_up = merge_gate_up(g, u, b + "ffn_gate_up_exps.weight")
     else:
         L.gate, L.up = g, u
+
+
+def open_layers(f: GGUFFile, hp: HParams, expected: dict[str, Expect], layer_refs, merge: bool) -> ModelRefs:
+    """What both loaders do once an architecture has read its hyperparameters: every tensor
+    checked against `expected` before anything is read, then layer_refs(T, "blk.i.") for
+    each layer, its expert gate and up set (set_gate_up), the head tied to the embedding
+    where the file has none."""
+    check_tensors(f, expected)
+    T = file_tensors(f)
+    layers = []
+    for i in range(hp.n_layer):
+        L = layer_refs(T, f"blk.{i}.")
+        set_gate_up(L, T, f"blk.{i}.", merge)
+        layers.append(L)
+    output = T.get("output.weight", T["token_embd.weight"])
+    return ModelRefs(hp, T["token_embd.weight"], T["output_norm.weight"], output, layers)
 
 
 def merge_rows(parts: list[TensorRef], name: str) -> TensorRef:

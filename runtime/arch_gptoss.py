@@ -12,8 +12,8 @@ chosen); the experts use SwiGLU-OAI (runtime.arch.HParams.expert_act).
 """
 from __future__ import annotations
 
-from .arch import HParams, LayerRefs, ModelRefs, YaRN, file_tensors, set_gate_up
-from .gguf_file import Expect, GGUFError, GGUFFile, check_tensors
+from .arch import HParams, LayerRefs, ModelRefs, YaRN, open_layers
+from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "gpt-oss"
 F32 = ("f32",)
@@ -107,22 +107,17 @@ def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
 
 
 def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
-    """Validate everything, read nothing: a wrong file fails before any upload."""
+    """Validate everything, read nothing: a wrong file fails before any upload. The file
+    holds expert gate and up apart (the merged name is not among the expected)."""
     hp = read_hparams(f)
-    check_tensors(f, expected_tensors(hp, f))
-    T = file_tensors(f)
-    layers = []
-    for i in range(hp.n_layer):
-        b = f"blk.{i}."
-        L = LayerRefs(T[b + "attn_norm.weight"], T[b + "attn_q.weight"], T[b + "attn_k.weight"],
-                      T[b + "attn_v.weight"], T[b + "attn_output.weight"], None, None,
-                      T[b + "post_attention_norm.weight"], T[b + "ffn_gate_inp.weight"],
-                      T[b + "ffn_down_exps.weight"],
-                      bq=T[b + "attn_q.bias"], bk=T[b + "attn_k.bias"], bv=T[b + "attn_v.bias"],
-                      bo=T[b + "attn_output.bias"], sinks=T[b + "attn_sinks.weight"],
-                      router_b=T[b + "ffn_gate_inp.bias"], gate_b=T[b + "ffn_gate_exps.bias"],
-                      up_b=T[b + "ffn_up_exps.bias"], down_b=T[b + "ffn_down_exps.bias"])
-        set_gate_up(L, T, b, merge)         # the file holds them apart (the merged key is never there)
-        layers.append(L)
-    output = T.get("output.weight", T["token_embd.weight"])
-    return ModelRefs(hp, T["token_embd.weight"], T["output_norm.weight"], output, layers)
+
+    def layer(T, b):
+        return LayerRefs(T[b + "attn_norm.weight"], T[b + "attn_q.weight"], T[b + "attn_k.weight"],
+                         T[b + "attn_v.weight"], T[b + "attn_output.weight"], None, None,
+                         T[b + "post_attention_norm.weight"], T[b + "ffn_gate_inp.weight"],
+                         T[b + "ffn_down_exps.weight"],
+                         bq=T[b + "attn_q.bias"], bk=T[b + "attn_k.bias"], bv=T[b + "attn_v.bias"],
+                         bo=T[b + "attn_output.bias"], sinks=T[b + "attn_sinks.weight"],
+                         router_b=T[b + "ffn_gate_inp.bias"], gate_b=T[b + "ffn_gate_exps.bias"],
+                         up_b=T[b + "ffn_up_exps.bias"], down_b=T[b + "ffn_down_exps.bias"])
+    return open_layers(f, hp, expected_tensors(hp, f), layer, merge)

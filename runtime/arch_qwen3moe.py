@@ -7,8 +7,8 @@ file from `moeforge synth` load alike.
 """
 from __future__ import annotations
 
-from .arch import HParams, LayerRefs, ModelRefs, file_tensors, set_gate_up
-from .gguf_file import Expect, GGUFError, GGUFFile, check_tensors
+from .arch import HParams, LayerRefs, ModelRefs, open_layers
+from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "qwen3moe"
 NORM_TYPES = ("f32",)
@@ -89,16 +89,10 @@ def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
 def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""
     hp = read_hparams(f)
-    check_tensors(f, expected_tensors(hp, f))
-    T = file_tensors(f)
-    layers = []
-    for i in range(hp.n_layer):
-        b = f"blk.{i}."
-        L = LayerRefs(T[b + "attn_norm.weight"], T[b + "attn_q.weight"], T[b + "attn_k.weight"],
-                      T[b + "attn_v.weight"], T[b + "attn_output.weight"], T[b + "attn_q_norm.weight"],
-                      T[b + "attn_k_norm.weight"], T[b + "ffn_norm.weight"], T[b + "ffn_gate_inp.weight"],
-                      T[b + "ffn_down_exps.weight"])
-        set_gate_up(L, T, b, merge)
-        layers.append(L)
-    output = T.get("output.weight", T["token_embd.weight"])
-    return ModelRefs(hp, T["token_embd.weight"], T["output_norm.weight"], output, layers)
+
+    def layer(T, b):
+        return LayerRefs(T[b + "attn_norm.weight"], T[b + "attn_q.weight"], T[b + "attn_k.weight"],
+                         T[b + "attn_v.weight"], T[b + "attn_output.weight"], T[b + "attn_q_norm.weight"],
+                         T[b + "attn_k_norm.weight"], T[b + "ffn_norm.weight"], T[b + "ffn_gate_inp.weight"],
+                         T[b + "ffn_down_exps.weight"])
+    return open_layers(f, hp, expected_tensors(hp, f), layer, merge)

@@ -274,10 +274,6 @@ class CudaBackend(CudaMoeOps, Backend):
         m = y.shape[-1]
         self.kernel("add_bias")(grid_1d(y.size), (256,), (y, b, np.int64(y.size // m), _i32(m)))
 
-    def add_bias_id_(self, y, b, ids):
-        m = y.shape[-1]
-        self.kernel("add_bias_id")(grid_1d(y.size), (256,), (y, b, ids, np.int64(y.size // m), _i32(m)))
-
     def glu_id(self, g, u, gate_b, up_b, ids, act, name):
         """SwiGLU-OAI of each slot's gate and up products (views of one gate|up buffer, or
         two buffers), with its expert's biases."""
