@@ -127,7 +127,7 @@ def test_decode_matches_numpy_token_by_token(oss_models):
 
 def test_batches_past_decode_sizes_take_the_grouped_products(oss_models, monkeypatch):
     """9 to 64 tokens a step: grouped expert products, the SwiGLU-OAI kernel with biases
-    (glu_oai_id), the down biases (add_bias_id); with gate and up kept separate too."""
+    (glu_oai_id), the down biases (in moe_combine_rms_norm); with gate and up kept separate too."""
     paths, toks, seed = oss_models
     for merge in (True, False):
         got = load_model(paths["q8_0"], backend="cuda", merge_gate_up=merge, n_ubatch=9).logits(toks[:45])
