@@ -325,6 +325,13 @@ class MmvqSpec(KernelSpec):
     def threads(self) -> int:
         return 32 * self.warps
 
+    @property
+    def six_blocks(self) -> bool:
+        """Launch bounds of six blocks an SM: the forms with one k-unit in flight, or guessing,
+        whose weight buffers are small (at most eight 16-byte pieces a lane, both units)."""
+        pieces = self.rows * (2 if self.act else 1) * (self.quant.qs_bytes // 16) * self.units
+        return (self.guess or self.units == 1) and pieces <= 8
+
     def smem_bytes(self, k: int) -> int:
         """Dynamic shared memory of a launch for activations of width k."""
         return _pad16((k // 32) * 40) if self.per_pair and not self.prequant else 0

@@ -78,12 +78,13 @@ class CudaBackend(CudaMoeOps, Backend):
         per choice) takes the grouped attention."""
         if self.decode_attn_grouped is not None:
             return self.decode_attn_grouped
-        return decode_attention.grouped_at(self.hp, pos0, self._device()["smem_per_block_optin"], self.cache_type)
+        dev = self._device()
+        return decode_attention.grouped_at(self.hp, pos0, dev["sm_count"], dev["smem_per_block_optin"], self.cache_type)
 
     @property
     def decode_attn_grouped(self) -> bool | None:
         """Decode attention a block per key head (True), per query head (False) or None (by
-        the step's context: decode_attention.GQA_MIN_KV). Setting it drops captured graphs."""
+        the step's context: decode_attention.grouped_min_kv). Setting it drops captured graphs."""
         return self._decode_attn_grouped
 
     @decode_attn_grouped.setter
@@ -322,8 +323,8 @@ class CudaBackend(CudaMoeOps, Backend):
                 fused = (*pend[1:], _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)))
             else:
                 fused = (_NULL, _NULL, _NULL, _NULL, _f32(0.0), _f32(0.0))
-            # sinks and windows: the kernel a block per query head (decode_attention.plan)
-            grouped = self._decode_grouped(pos0) and sinks is None and not window
+            # a sliding window's layers attend to at most `window` positions
+            grouped = self._decode_grouped(min(pos0, window - 1) if window else pos0)
             kernel, heads, threads, splits = decode_attention.plan(hp, cache.n_ctx, self._device()["sm_count"],
                                                                    grouped, self.decode_attn_splits, self.cache_type)
             part = self.ws("attn_part", (hp.n_head * splits * (hp.head_dim + 2),))
@@ -334,12 +335,11 @@ class CudaBackend(CudaMoeOps, Backend):
                     _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused,
                     part, self._attn_counts, _i32(splits))
             smem = 0
-            if not kernel.startswith("attn_decode_gqa"):
-                args += extra
-            else:
+            if kernel.startswith("attn_decode_gqa"):
                 stages, smem = decode_attention.ring(hp, self._device()["smem_per_block_optin"],
                                                      self.decode_attn_stages, self.cache_type)
                 args += (_i32(stages),)
+            args += extra
             self.kernel(kernel)((heads, splits), (threads,), args, smem=smem)
             return out
         info = self._device()

@@ -16,11 +16,14 @@ GQA_THREADS, GQA_CHUNK = 256, 32   # attn_decode_gqa.cuh.j2: GQA_THREADS, GQA_CH
 GQA_GROUPS, GQA_MAX_SPLITS = (2, 4, 8), 32
 GQA_SPLIT_CAP = 4 * GQA_CHUNK   # forced splits: the merge keeps every split's maxima and sums in shared memory
 GQA_MAX_STAGES = 8              # chunk buffers of the ring (its waits take up to 7 in flight)
-# Steps that attend to this many positions or more take the grouped kernel (where it
-# exists): below it the per-head kernel was faster (H100, Qwen3-30B-A3B heads, the kernels
-# alone in a graph of 8 layers: per head 13.2 against 14.2 us at 1536 positions, grouped
-# 14.7 against 15.9 at 2048, 20.1 against 26.4 at 4096, 39.4 against 87.5 at 16384).
-GQA_MIN_KV = 2048
+# Steps whose per-head blocks (a wave of them: splits_per_head) would each take this many
+# positions or more take the grouped kernel (where it exists): below it the per-head kernel
+# was faster. H100, Qwen3-30B-A3B heads (4 splits a head), the kernels alone in a graph of 8
+# layers: per head 13.2 against 14.2 us at 1536 positions, grouped 14.7 against 15.9 at 2048,
+# 20.1 against 26.4 at 4096, 39.4 against 87.5 at 16384. H200, tg64 of whole models: Qwen3
+# (4 splits) even at 2048, gpt-oss-20b (64 heads: 2 splits) even at 512 and grouped 2% faster
+# at 1024, 6% at 2048, 57% at 16384 (scratch probe, 2026-11-28).
+GQA_MIN_KV_PER_BLOCK = 512
 
 
 def splits_per_head(hp, n_ctx: int, sm_count: int) -> int:
@@ -85,12 +88,19 @@ def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None
     return ModelSpec.decode_kernel(hp.head_dim), hp.n_head, ATTN_DECODE_THREADS, splits
 
 
-def grouped_at(hp, pos0: int, smem_limit: int | None = None, cache: str = "f32") -> bool:
+def grouped_min_kv(hp, sm_count: int) -> int:
+    """Positions attended from which a step takes the grouped kernel: where the per-head
+    kernel's wave of blocks would take GQA_MIN_KV_PER_BLOCK positions each (2048 for
+    Qwen3-30B-A3B's 32 heads on 132 SMs, 1024 for gpt-oss's 64)."""
+    return GQA_MIN_KV_PER_BLOCK * max(1, sm_count // hp.n_head)
+
+
+def grouped_at(hp, pos0: int, sm_count: int, smem_limit: int | None = None, cache: str = "f32") -> bool:
     """The step at position pos0 (known on the host: the backend captures a graph per
-    choice) takes the grouped kernel: where it has a variant for the heads and, given a
-    block's shared memory on the card, where its ring's least buffers fit (else the per-head
-    kernel, which needs no more than 17 KB)."""
-    if not (can_group(hp, cache) and pos0 + 1 >= GQA_MIN_KV):
+    choice) takes the grouped kernel: from grouped_min_kv positions, where it has a variant
+    for the heads and, given a block's shared memory on the card, where its ring's least
+    buffers fit (else the per-head kernel, which needs no more than 17 KB)."""
+    if not (can_group(hp, cache) and pos0 + 1 >= grouped_min_kv(hp, sm_count)):
         return False
     if smem_limit is not None:
         try:

@@ -1,10 +1,11 @@
 import dataclasses
+import functools
 import os
 
 import numpy as np
 import pytest
 
-from moeforge.codegen.spec import MmqSpec
+from moeforge.codegen.spec import MmqSpec, MmvqSpec
 
 
 def pytest_collection_modifyitems(config, items):
@@ -45,46 +46,55 @@ def generated(tmp_path_factory):
 FULL_ARCHS = ("sm_80", "sm_90")   # the templates' two code paths (see compile_plan)
 SAMPLE_EVERY = 8        # sm_80's share of the instances beyond its branch signatures
 SUPER_TILE_EVERY = 4    # sm_90's share of the super-block and codebook formats' int8 tiles beyond those
+MATVEC_EVERY = 2        # sm_90's share of the mat-vecs beyond those
 OTHER_ARCH_EVERY = 32   # sm_86's and sm_89's: sm_80's code under another target
-TILE_SIZES = ("x", "y", "warps", "kblocks", "stages")
+TILE_SIZES = ("x", "y", "warps", "kblocks", "stages", "tokens", "rows")
 
 
 def branch_signature(spec) -> tuple:
     """A spec without its tile sizes: the template branches it takes (the sizes are only
-    #defines the branches are written over)."""
+    #defines the branches are written over; the one branch a mat-vec's rows choose, its
+    launch bounds, is spec.six_blocks)."""
     fields = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else {}
-    return (type(spec).__name__, *((k, v) for k, v in fields.items() if k not in TILE_SIZES))
+    return (type(spec).__name__, getattr(spec, "six_blocks", None),
+            *((k, v) for k, v in fields.items() if k not in TILE_SIZES))
 
 
 def compile_plan() -> dict:
     """{arch: instances} the compile test builds. The templates branch on __CUDA_ARCH__ >= 800
     and >= 900 only (test_codegen checks that), so sm_90 and sm_80 carry every code path; the
-    tile sizes (x, y, warps, kblocks, stages) are #defines the branches are written over.
-    sm_90 builds every instance but the int8 tiles of the super-block and codebook formats
-    (q4_K, q5_K, q6_K, iq4_xs, mxfp4: 280 each, the slowest to compile), of which it builds
-    one of every branch signature, every one a shipped profile or the dispatch defaults
-    name, and a fixed quarter; sm_80 every
-    mat-vec, f16-tile and model instance of the 32-weight formats (cheap), one tile instance of
-    every branch signature of every format, and a fixed eighth of the rest; sm_86 and sm_89,
-    which compile sm_80's path, a fixed 32nd. With every instance on sm_90 the test took ~21
-    of CI's 27 minutes on 2 cores once q5_K's 636 instances came; with this plan CI took 18."""
+    tile sizes (x, y, warps, kblocks, stages; a mat-vec's tokens and rows) are #defines the
+    branches are written over. Both build one instance of every branch signature and every
+    instance a shipped profile or the dispatch defaults name. Beyond those, sm_90 builds every
+    f16 tile and model instance, every int8 tile of the 32-weight formats, a fixed quarter of
+    the super-block and codebook formats' (q4_K, q5_K, q6_K, iq4_xs, mxfp4: 280 each, the
+    slowest to compile) and a fixed half of the mat-vecs (337 a format); sm_80 the f16 tiles
+    and model instances of the 32-weight formats and a fixed eighth of the rest; sm_86 and
+    sm_89, which compile sm_80's path, a fixed 32nd. With every instance on sm_90 the test
+    took ~21 of CI's 27 minutes on 2 cores once q5_K's 636 instances came; with every
+    mat-vec on sm_90 and sm_80's 32-weight ones, CI took 27 again once gpt-oss came."""
     from moeforge.codegen.compile import ARCHS
     from moeforge.codegen.enumerate import all_specs
     from moeforge.codegen.quant import parse_types
     specs = all_specs(parse_types("all"))
-    cheap32 = [s for s in specs if not isinstance(s, MmqSpec) and (not hasattr(s, "quant") or s.quant.sub_blocks == 1)]
+    cheap32 = [s for s in specs if not isinstance(s, (MmqSpec, MmvqSpec))
+               and (not hasattr(s, "quant") or s.quant.sub_blocks == 1)]
     one_each = list({branch_signature(s): s for s in reversed(specs)}.values())
     super_tiles = [s for s in specs if isinstance(s, MmqSpec) and (s.quant.sub_blocks > 1 or s.quant.codebook)]
-    kept = _named_specs() | set(one_each) | set(super_tiles[::SUPER_TILE_EVERY])
-    sampled = set(super_tiles) - kept
+    matvecs = [s for s in specs if isinstance(s, MmvqSpec)]
+    kept = _named_specs() | set(one_each) | set(super_tiles[::SUPER_TILE_EVERY]) | set(matvecs[::MATVEC_EVERY])
+    sampled = (set(super_tiles) | set(matvecs)) - kept
     sm90 = [s for s in specs if s not in sampled]
-    sm80 = list(dict.fromkeys(cheap32 + one_each + specs[::SAMPLE_EVERY]))
+    named = [s for s in specs if s in _named_specs()]
+    sm80 = list(dict.fromkeys(cheap32 + one_each + named + specs[::SAMPLE_EVERY]))
     return {a: sm90 if a == "sm_90" else sm80 if a == "sm_80" else specs[::OTHER_ARCH_EVERY] for a in ARCHS}
 
 
-def _named_specs() -> set:
-    """The int8 tiles a shipped profile names or the dispatch defaults choose (token
-    tiles of 1 to 256 tokens an expert, dense and MoE)."""
+@functools.lru_cache(maxsize=1)
+def _named_specs() -> frozenset:
+    """The instances a shipped profile names or the dispatch defaults choose: int8 tiles of 1
+    to 256 tokens an expert (dense and MoE) and the mat-vecs of 1 to 8 tokens, plain and
+    fused, with the widths of the models' products."""
     from moeforge.codegen.quant import QUANT_TYPES
     from moeforge.runtime import dispatch
     from moeforge.tuning.paths import shipped_profiles
@@ -94,7 +104,16 @@ def _named_specs() -> set:
         for per_tile in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             out.add(dispatch.default_mmq(q, per_tile, ids=True))
             out.add(dispatch.default_mmq(q, per_tile, ids=False))
-    return out
+        for n in range(1, 9):
+            for ids in (True, False):
+                out.add(dispatch.default_mmvq(q, n, ids))
+                for act in MmvqSpec.ACTS:
+                    for bias in (False, True):
+                        for k in (256, 2048, 2880):
+                            out.add(dispatch.default_fused(q, n, act, bias, ids, k))
+                            if ids:
+                                out.add(dispatch.default_fused(q, n, act, bias, ids, k, wait_first=True))
+    return frozenset(out)
 
 
 PARITY_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
@@ -145,17 +164,22 @@ def attn_hparams(n_head, n_head_kv, head_dim):
                    n_ff_exp=64, n_expert=8, n_expert_used=2, rms_eps=1e-6, rope_base=1e6, n_ctx_train=4096)
 
 
-def attention64(q, kc, vc, pos, hp):
-    """Causal grouped-query attention in float64: query t sees cached positions <= pos[t]."""
+def attention64(q, kc, vc, pos, hp, sinks=None, window=0):
+    """Causal grouped-query attention in float64: query t sees cached positions <= pos[t]
+    (and > pos[t] - window where window > 0); sinks: a logit per query head that joins
+    the softmax's denominator only (gpt-oss)."""
     n, g, hd = q.shape[0], hp.n_head // hp.n_head_kv, hp.head_dim
     out = np.empty((n, hp.q_dim))
     for t in range(n):
         L = pos[t] + 1
+        F = max(0, L - window) if window else 0
         for h in range(hp.n_head):
             kvh = h // g
-            s = kc[:L, kvh * hd:(kvh + 1) * hd] @ q[t, h * hd:(h + 1) * hd] / np.sqrt(hd)
-            p = np.exp(s - s.max())
-            out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ vc[:L, kvh * hd:(kvh + 1) * hd]
+            s = kc[F:L, kvh * hd:(kvh + 1) * hd] @ q[t, h * hd:(h + 1) * hd] / np.sqrt(hd)
+            m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            p = np.exp(s - m)
+            den = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+            out[t, h * hd:(h + 1) * hd] = (p / den) @ vc[F:L, kvh * hd:(kvh + 1) * hd]
     return out
 
 

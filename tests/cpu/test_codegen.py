@@ -82,21 +82,21 @@ def test_compile_cache_is_keyed_by_source(tmp_path):
 
 
 def test_generate_compiles_every_instance(generated):
-    """For sm_90 the whole space but a sample of the super-block and codebook formats' int8 tiles (those
-    the profiles and defaults name among it); for sm_80 every branch signature of the
-    templates and every 32-weight-format mat-vec; fixed samples otherwise
-    (conftest.compile_plan), NVRTC only (no GPU, no toolkit)."""
+    """For sm_90 the whole space but samples of the mat-vecs and of the super-block and codebook
+    formats' int8 tiles; for sm_80 every branch signature of the templates; on both, every
+    instance the profiles and defaults name; fixed samples otherwise (conftest.compile_plan),
+    NVRTC only (no GPU, no toolkit)."""
     from conftest import FULL_ARCHS, _named_specs, branch_signature, compile_plan
     build_dir, summary, table = generated
     assert summary["failures"] == [], summary["failures"][:3]
     plan = compile_plan()
     assert summary["total"] == sum(len(v) for v in plan.values())
-    sampled = {s for s in SPECS if isinstance(s, MmqSpec) and (s.quant.sub_blocks > 1 or s.quant.codebook)}
-    assert set(SPECS) - sampled <= set(plan["sm_90"]) and _named_specs() & set(SPECS) <= set(plan["sm_90"])
-    assert len(plan["sm_90"]) == len(set(plan["sm_90"]))
+    sampled = {s for s in SPECS if isinstance(s, MmvqSpec)
+               or isinstance(s, MmqSpec) and (s.quant.sub_blocks > 1 or s.quant.codebook)}
+    assert set(SPECS) - sampled <= set(plan["sm_90"]) and len(plan["sm_90"]) == len(set(plan["sm_90"]))
     for arch in FULL_ARCHS:
         assert {branch_signature(s) for s in SPECS} == {branch_signature(s) for s in plan[arch]}
-    assert {s for s in SPECS if isinstance(s, MmvqSpec) and s.quant.sub_blocks == 1} <= set(plan["sm_80"])
+        assert _named_specs() <= set(plan[arch]), arch
     for arch in ARCHS:
         assert len(list((build_dir / arch).glob("*.cubin"))) == len(set(plan[arch])), arch
     assert set(FULL_ARCHS) <= set(ARCHS) and "instances" in table and "sm_90" in table

@@ -110,7 +110,9 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
             # or the current position's row (the kernel just before writes those)
             assert "cur = n_kv - 1" in pre, name
             if name.startswith("attn_decode_gqa"):
-                assert "slots.request(gqa_ring + i * stage, kc, vc, sp * T + i * step, i < chunks ? cur : 0," in pre
+                # from the split's first chunk (c0 + sp: a sliding window's from its first) up to cur
+                assert "b0 = (c0 + sp) * T" in pre, name
+                assert "slots.request(gqa_ring + i * stage, kc, vc, b0 + i * step, i < chunks ? cur : 0," in pre
             else:
                 # from the block's first chunk (a sliding window's first, at c0) up to cur
                 assert "start = (c0 + sp) * CHUNK" in pre and "attn_rows<U, V, NW>(kc, vc, start, cur," in pre, name

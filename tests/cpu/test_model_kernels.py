@@ -151,9 +151,12 @@ def test_grouped_decode_ring_of_an_f16_cache():
 def test_the_step_takes_the_grouped_kernel_from_its_position():
     from conftest import attn_hparams
 
-    from moeforge.runtime.decode_attention import GQA_MIN_KV, grouped_at
-    qwen = attn_hparams(32, 4, 128)
-    assert not grouped_at(qwen, GQA_MIN_KV - 2) and grouped_at(qwen, GQA_MIN_KV - 1)   # pos0 + 1 attended
-    assert not grouped_at(attn_hparams(8, 8, 128), 10 * GQA_MIN_KV)                  # no group to share
-    assert grouped_at(qwen, 10 * GQA_MIN_KV, smem_limit=101376)                    # sm_86: two buffers fit
-    assert not grouped_at(qwen, 10 * GQA_MIN_KV, smem_limit=65536)                 # they don't: per head
+    from moeforge.runtime.decode_attention import grouped_at, grouped_min_kv
+    qwen, oss = attn_hparams(32, 4, 128), attn_hparams(64, 8, 64)
+    assert grouped_min_kv(qwen, 132) == 2048 and grouped_min_kv(oss, 132) == 1024   # 4 and 2 splits a head
+    assert grouped_min_kv(qwen, 16) == 512                                           # fewer SMs than heads
+    assert not grouped_at(qwen, 2046, 132) and grouped_at(qwen, 2047, 132)          # pos0 + 1 attended
+    assert not grouped_at(oss, 1022, 132) and grouped_at(oss, 1023, 132)
+    assert not grouped_at(attn_hparams(8, 8, 128), 20480, 132)                      # no group to share
+    assert grouped_at(qwen, 20480, 84, smem_limit=101376)                           # sm_86: two buffers fit
+    assert not grouped_at(qwen, 20480, 84, smem_limit=65536)                        # they don't: per head

@@ -52,21 +52,27 @@ GROUPED_HEADS = [h for h in HEADS if True in _grouped(h)] + [(16, 4, 128), (8, 4
 SPLITS = [(n, None) for n in N_KV] + [(700, 1), (700, 3), (129, 2), (40, 5)]
 
 
-def _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, label):
+def _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, label, sinks=None, window=0):
     """q and the current row already in place (the separate q/k launch before it), rows past
     the current position NaN (never read), the output poisoned before the launch: float64
-    within 2e-5, the same bits on a second launch, every split counter back at zero."""
+    within 2e-5, the same bits on a second launch, every split counter back at zero. Rows
+    before a window are 1e4 (a chunk partly before it is read and masked, so they must be
+    finite, as a cache's old rows are; unmasked, their scores would take all the weight)."""
     kc[n_kv:] = np.nan
     vc[n_kv:] = np.nan
+    if window:
+        kc[:max(0, n_kv - window)] = 1e4
+        vc[:max(0, n_kv - window)] = 1e4
     kc, vc = kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)     # an f16 cache: what it holds
+    extra = {} if sinks is None else {"sinks": cp.asarray(sinks)}
     with B.context():
         cache.k[il].set(kc)
         cache.v[il].set(vc)
         B.ws("attn", (1, hp.q_dim)).fill(cp.nan)
-        got = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn").get()
-        again = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn").get()
+        got = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn", window=window, **extra).get()
+        again = B.attention(cache, il, cp.asarray(q), pos, n_kv - 1, 1, "attn", window=window, **extra).get()
     exact = attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64),
-                        np.array([n_kv - 1]), hp)
+                        np.array([n_kv - 1]), hp, sinks=sinks, window=window)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got, again)
     assert (B._attn_counts.get() == 0).all()
@@ -87,6 +93,23 @@ def test_attn_decode_matches_float64(heads, grouped, n_kv, splits, rng):
     B.decode_attn_splits = splits
     B.decode_attn_grouped = grouped
     _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, ModelSpec.decode_kernel(hp.head_dim))
+
+
+@pytest.mark.parametrize("heads,grouped", [((64, 8, 64), False), ((64, 8, 64), True), ((16, 4, 128), True)])
+@pytest.mark.parametrize("n_kv,window,splits", [
+    (1, 0, None), (700, 0, None), (700, 0, 3), (2000, 0, None), (2000, 0, 40),
+    (100, 128, None), (129, 128, None), (700, 128, None), (700, 128, 3), (2001, 128, 2), (2001, 100, None)])
+def test_attn_decode_sinks_and_window(heads, grouped, n_kv, window, splits, rng):
+    """gpt-oss's attention (its heads: 64 query heads in groups of 8, 64 wide): a sink
+    logit per head in the denominator (some far above the scores, so that the sink takes most
+    of the weight; some far below), and sliding windows, starting inside a block's chunk and
+    at one, on both kernels."""
+    cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng)
+    B.decode_attn_splits, B.decode_attn_grouped = splits, grouped
+    sinks = rng.standard_normal(hp.n_head).astype(np.float32)
+    sinks[::5] += 12.0
+    sinks[1::7] -= 40.0
+    _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, f"grouped={grouped}", sinks, window)
 
 
 F16_SPLITS = [(1, None), (37, None), (129, None), (700, None), (700, 3), (40, 5), (2000, None)]

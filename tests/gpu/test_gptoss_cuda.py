@@ -90,13 +90,15 @@ def test_every_prompt_attention_kernel(oss_models, precision, monkeypatch):
     _close(got, ref, "f32", seed)
 
 
+@pytest.mark.parametrize("grouped", [None, True])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
-def test_decode_past_the_window(oss_models, splits, cache_type):
+def test_decode_past_the_window(oss_models, splits, cache_type, grouped):
     """Decode steps (CUDA graph) after a 100-token prompt, at positions past the window and
     past a block's chunk of 128 positions (the window's first chunk is then not the
-    context's), with one or several blocks per head, elementwise against the numpy
-    backend doing the same steps (the f32 model: nothing rounds but float32 order)."""
+    context's), with one or several blocks per head, a block per query head (short
+    contexts) or per key head (grouped: long ones), elementwise against the numpy backend
+    doing the same steps (the f32 model: nothing rounds but float32 order)."""
     paths, toks, seed = oss_models
     outs = []
     for backend in ("cuda", "numpy"):
@@ -104,13 +106,14 @@ def test_decode_past_the_window(oss_models, splits, cache_type):
                        **({} if backend == "cuda" else {"numerics": "kernel"}))
         if backend == "cuda":
             m.backend.decode_attn_splits = splits
+            m.backend.decode_attn_grouped = grouped
         m.reset(len(toks))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             m.eval(toks[:100])
             outs.append(np.concatenate([m.eval([t]) for t in toks[100:]]))
         if backend == "cuda":
-            assert m.backend.graphs.captured("decode")
+            assert m.backend.graphs.captured("decode-grouped" if grouped else "decode")
     _close(outs[0], outs[1], "f32", seed)
 
 

@@ -407,14 +407,14 @@ def test_grouped_decode_attention_in_the_model(parity_models, name):
 
 
 def test_decode_switches_to_grouped_attention_with_the_context(parity_models, monkeypatch):
-    """Past GQA_MIN_KV cached positions (lowered here to 20) the step takes the grouped
+    """Past grouped_min_kv cached positions (lowered here to 20) the step takes the grouped
     attention in a graph of its own; before it, the per-head one: both graphs captured, the
     logits those of per-head attention throughout up to summation order."""
     from moeforge.runtime import decode_attention
     fx = parity_models["q4_0"]
     toks = fx["tokens"][:48]
     ref, _ = _decode_logits(fx, toks, decode_attn_grouped=False)
-    monkeypatch.setattr(decode_attention, "GQA_MIN_KV", 20)
+    monkeypatch.setattr(decode_attention, "grouped_min_kv", lambda hp, sm_count: 20)
     got, m = _decode_logits(fx, toks)
     assert m.backend.graphs.captured("decode") and m.backend.graphs.captured("decode-grouped")
     _close(got, ref, "q4_0")
