@@ -76,6 +76,10 @@ PRESETS = {
     "gpt-oss-20b": SynthSpec(n_vocab=201088, n_embd=2880, n_layer=24, n_head=64, n_head_kv=8, head_dim=64,
                              n_ff_exp=2880, n_expert=32, n_expert_used=4, n_ctx=131072, rope_base=150000.0,
                              rms_eps=1e-5, arch="gpt-oss", n_swa=128, yarn_factor=32.0, yarn_orig_ctx=4096),
+    # gpt-oss-120b: gpt-oss-20b's layer with 128 experts, 36 of them
+    "gpt-oss-120b": SynthSpec(n_vocab=201088, n_embd=2880, n_layer=36, n_head=64, n_head_kv=8, head_dim=64,
+                              n_ff_exp=2880, n_expert=128, n_expert_used=4, n_ctx=131072, rope_base=150000.0,
+                              rms_eps=1e-5, arch="gpt-oss", n_swa=128, yarn_factor=32.0, yarn_orig_ctx=4096),
     "tiny-oss": SynthSpec(n_vocab=512, n_embd=128, n_layer=4, n_head=4, n_head_kv=2, head_dim=32,
                           n_ff_exp=64, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, rms_eps=1e-5,
                           arch="gpt-oss", n_swa=8, yarn_factor=4.0, yarn_orig_ctx=64),

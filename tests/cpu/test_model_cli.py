@@ -90,7 +90,7 @@ def test_synth_cli_arch_and_preset(tmp_path, capsys, monkeypatch):
                      ("qwen3moe", 2048, "q4_0", "moeforge-synth qwen3-30b-a3b q4_0")]
     capsys.readouterr()
     assert main(["synth", "--arch", "gpt-oss", "--preset", "tiny", out]) == 2
-    assert "preset 'tiny' is a qwen3moe model, not --arch gpt-oss (gpt-oss's presets: gpt-oss-20b, tiny-oss)" \
+    assert "preset 'tiny' is a qwen3moe model, not --arch gpt-oss (gpt-oss's presets: gpt-oss-20b, gpt-oss-120b, tiny-oss)" \
         in capsys.readouterr().err
     assert main(["synth", "--arch", "qwen3moe", "--preset", "tiny-oss", out]) == 2
     assert "is a gpt-oss model, not --arch qwen3moe" in capsys.readouterr().err

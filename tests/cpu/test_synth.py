@@ -55,6 +55,19 @@ def test_real_shapes_of_the_30b_preset():
     assert 30.0e9 < total < 31.0e9
 
 
+@pytest.mark.parametrize("name,total,active", [("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)])
+def test_gpt_oss_presets_have_the_published_parameter_counts(name, total, active):
+    """OpenAI's model card: 20.91B (3.61B active) and 116.83B (5.13B active) parameters; the
+    active count takes top_k of the experts' weights and biases, the embedding not counted."""
+    s = PRESETS[name]
+    plan = {n: s_ for n, s_, _ in tensor_plan(s, "mxfp4_moe")}
+    n = sum(int(np.prod(shape)) for shape in plan.values())
+    experts = sum(int(np.prod(shape)) for k, shape in plan.items() if "_exps" in k)
+    act = n - experts * (1 - s.n_expert_used / s.n_expert) - int(np.prod(plan["token_embd.weight"]))
+    assert abs(n - total) / total < 2e-3 and abs(act - active) / active < 5e-3, (n, act)
+    assert plan["blk.0.ffn_gate_exps.weight"] == (s.n_expert, 2880, 2880)
+
+
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_K"])
 def test_skewed_router_concentrates_tokens(tmp_path, qtype):
     path = str(tmp_path / "s.gguf")
