@@ -12,14 +12,15 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from .logprobs import MAX_TOP, chat_logprobs, completion_logprobs, sequence_logprobs
 from .runtime.generation import Generation
-from .runtime.reasoning import ReasoningSplit, split
+from .runtime.tool_calls import ReplyParts, whole
 
 # request fields and their types; top_k, min_p and repeat_penalty are llama.cpp's extensions
 FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
           "min_p": (int, float), "repeat_penalty": (int, float), "seed": int, "stream": bool,
           "frequency_penalty": (int, float), "presence_penalty": (int, float), "echo": bool,
           "top_logprobs": int,
-          "stop": (str, list), "prompt": (str, list), "messages": list, "model": str, "n": int}
+          "stop": (str, list), "prompt": (str, list), "messages": list, "model": str, "n": int,
+          "tools": list, "tool_choice": (str, dict), "parallel_tool_calls": bool}
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -64,7 +65,31 @@ def parse_request(body: bytes, chat: bool) -> dict:
         raise RequestError(f"'{'top_logprobs' if chat else 'logprobs'}' must be in [0, {MAX_TOP}]")
     if req.get("stream") and (lp or req.get("echo")):
         raise RequestError("'logprobs' and 'echo' are not streamed: ask without 'stream'")
-    return {**req, "stop": stop}
+    return {**req, "stop": stop, "tools": _tools_of(req, chat)}
+
+
+def _tools_of(req: dict, chat: bool) -> list | None:
+    """The request's tools where the model may call them (None: no tools, or tool_choice
+    "none"). "required" and a named function would need decoding constrained to a call,
+    which moeforge does not do: refused, not ignored."""
+    tools, choice = req.get("tools"), req.get("tool_choice")
+    if tools is None:
+        if choice is not None:
+            raise RequestError("'tool_choice' is only allowed when 'tools' are given")
+        return None
+    if not chat:
+        raise RequestError("'tools' are for /v1/chat/completions")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                               f"'parameters': {{...}}}}}}")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise RequestError(f"tools[{i}]['function']['parameters'] must be a JSON schema object")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(f"'tool_choice' {choice!r} would need decoding constrained to a call, which moeforge "
+                           f"does not do: use 'auto' (the default) or 'none'")
+    return tools if tools and choice != "none" else None
 
 
 def sampling_of(req: dict):
@@ -91,6 +116,8 @@ class Server(HTTPServer):
         # chat replies: the reasoning as `reasoning_content`, apart from `content` (as llama.cpp's
         # --reasoning-format and vLLM's reasoning parsers give it); "none": the text as it is
         self.reasoning = model.reasoning_format if reasoning == "auto" else None
+        # where a request gives tools, the calls the reply writes as `tool_calls`
+        self.tool_calls = model.tool_call_format
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -131,7 +158,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(400, str(e))
         try:
             if req.get("stream"):
-                return self._stream(gen, chat)
+                return self._stream(req, gen, chat)
             gen.run()
             choice = self._choice(req, gen, chat)
         except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
@@ -145,12 +172,15 @@ class Handler(BaseHTTPRequestHandler):
         """The reply's choice, with the log-probabilities and the echoed prompt asked for."""
         m, choice = self.server.model, {"index": 0, "finish_reason": gen.finish}
         if chat:
-            choice["message"] = {"role": "assistant", "content": gen.text}
-            if self.server.reasoning:
-                thought, answer = split(self.server.reasoning, gen.text, self._prompt_tail(gen))
-                choice["message"]["content"] = answer
-                if thought:
-                    choice["message"]["reasoning_content"] = thought
+            thought, answer, calls = whole(self.server.reasoning, self._calls(req), gen.text, self._prompt_tail(gen))
+            choice["message"] = {"role": "assistant", "content": answer}
+            if thought:
+                choice["message"]["reasoning_content"] = thought
+            if calls:
+                # as OpenAI's: no text but the calls is a null content
+                choice["message"].update(content=answer if answer.strip() else None,
+                                         tool_calls=[_call_of(c) for c in calls])
+                choice["finish_reason"] = "tool_calls"
             if req.get("logprobs"):
                 scored = sequence_logprobs(m, gen.ids + gen.tokens, len(gen.ids), req.get("top_logprobs", 0))
                 choice["logprobs"] = chat_logprobs(m.tokenizer, scored)
@@ -163,10 +193,20 @@ class Handler(BaseHTTPRequestHandler):
             choice["logprobs"] = completion_logprobs(m.tokenizer, scored, 0 if echo else len(prompt))
         return choice
 
+    def _calls(self, req: dict) -> str | None:
+        """The tool-call format read from this request's reply (None: calls stay text)."""
+        fmt = self.server.tool_calls if req.get("tools") else None
+        return None if fmt == "harmony" and self.server.reasoning != "harmony" else fmt
+
     def _generation(self, req: dict, chat: bool) -> Generation:
         m = self.server.model
         sampling = sampling_of(req)
-        if chat:
+        if chat and req.get("tools"):
+            if self.server.tool_calls is None:
+                raise RequestError("this model writes no tool calls moeforge reads (its vocabulary has neither "
+                                   "<tool_call> and </tool_call> nor gpt-oss's harmony tokens)")
+            ids = m.chat_prompt(req["messages"], tools=req["tools"])
+        elif chat:
             ids = m.chat_prompt(req["messages"])
         elif isinstance(req["prompt"], str):
             ids = m.tokenizer.encode(req["prompt"])
@@ -190,7 +230,7 @@ class Handler(BaseHTTPRequestHandler):
                 "object": kind + (".chunk" if chunk and chat else ""), "created": int(time.time()),
                 "model": self.server.model_name}
 
-    def _stream(self, gen: Generation, chat: bool) -> None:
+    def _stream(self, req: dict, gen: Generation, chat: bool) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -206,13 +246,20 @@ class Handler(BaseHTTPRequestHandler):
             body = {"delta": {"content": text}} if chat else {"text": text}
             return {"index": 0, "finish_reason": finish, **body}
 
-        parts = ReasoningSplit(self.server.reasoning, self._prompt_tail(gen)) if chat and self.server.reasoning \
-            else None
+        calls = self._calls(req) if chat else None
+        parts = ReplyParts(self.server.reasoning, calls, self._prompt_tail(gen)) \
+            if chat and (self.server.reasoning or calls) else None
+        n_calls = 0
 
         def put(pieces) -> None:
+            nonlocal n_calls
             for kind, p in pieces:
-                event({"index": 0, "finish_reason": None,
-                       "delta": {"reasoning_content" if kind == "reasoning" else "content": p}})
+                if kind == "call":    # whole, as its block ends: name and arguments in one delta
+                    d = {"tool_calls": [{"index": n_calls, **_call_of(p)}]}
+                    n_calls += 1
+                else:
+                    d = {"reasoning_content" if kind == "reasoning" else "content": p}
+                event({"index": 0, "finish_reason": None, "delta": d})
 
         def send(piece: str) -> bool:
             try:
@@ -230,11 +277,18 @@ class Handler(BaseHTTPRequestHandler):
             gen.run(on_text=send)
             if parts is not None:
                 put(parts.flush())
-            event(delta("", gen.finish))
+            event(delta("", "tool_calls" if n_calls else gen.finish))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except OSError:
             pass
+
+
+def _call_of(call: tuple[str, str]) -> dict:
+    """A tool call as OpenAI's API gives it: an id, the function's name, its arguments as a
+    JSON string."""
+    name, args = call
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def add_serve_command(sub) -> None:

@@ -185,6 +185,14 @@ class Model:
         tokens = self.file.get("tokenizer.ggml.tokens")
         return format_of(tokens) if isinstance(tokens, list) else None
 
+    @property
+    def tool_call_format(self) -> str | None:
+        """How a chat reply writes tool calls, from the vocabulary: "hermes" (<tool_call>
+        blocks), "harmony" (gpt-oss's messages to functions.NAME) or None (runtime.tool_calls)."""
+        from .tool_calls import format_of
+        tokens = self.file.get("tokenizer.ggml.tokens")
+        return format_of(tokens) if isinstance(tokens, list) else None
+
     def chat_prompt(self, messages, add_generation_prompt: bool = True, **variables) -> list[int]:
         """The token ids of `messages` in the file's chat template (runtime.chat), ending in
         the assistant's turn; `variables` reach the template (Qwen3: enable_thinking=False)."""

@@ -42,10 +42,12 @@ def _held(text: str, markers) -> int:
 class ReasoningSplit:
     """add(text) / flush() -> [(kind, piece)], kind "reasoning" or "content", in order."""
 
-    def __init__(self, fmt: str, prompt_tail: str = ""):
+    def __init__(self, fmt: str, prompt_tail: str = "", calls: bool = False):
+        """calls (harmony): a message to a recipient ("to=functions.NAME" in its header) is a
+        tool call, emitted whole at its end as ("call", (NAME, body)) (runtime.tool_calls)."""
         if fmt not in FORMATS:
             raise ValueError(f"reasoning format must be one of {FORMATS}, got {fmt!r}")
-        self.fmt, self.buf, self.out = fmt, "", []
+        self.fmt, self.buf, self.out, self.calls, self.recipient = fmt, "", [], calls, None
         if fmt == "think":
             opened = prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE)
             self.state = "open" if opened else "start"
@@ -104,8 +106,10 @@ class ReasoningSplit:
             if self.state == "header":
                 i = self.buf.find(H_MESSAGE)
                 if i >= 0:
-                    name = self.buf[:i].split("<|channel|>")[-1].split()
+                    header = self.buf[:i]
+                    name = header.split("<|channel|>")[-1].split()
                     self.kind = "reasoning" if name and name[0] == "analysis" else "content"
+                    self.recipient = _recipient(header) if self.calls else None
                     self.buf, self.state = self.buf[i + len(H_MESSAGE):], "body"
                 elif len(self.buf) > H_HEADER_MAX or (final and "<|channel|>" not in self.buf):
                     self.kind, self.state = "content", "body"   # not harmony after all: the text as it is
@@ -115,6 +119,16 @@ class ReasoningSplit:
                     return
             else:
                 ends = [j for j in (self.buf.find(m) for m in H_ENDS) if j >= 0]
+                if self.recipient is not None and (ends or final):   # a call: its body whole
+                    j = min(ends) if ends else len(self.buf)
+                    self._emit("call", (self.recipient, self.buf[:j].strip()))
+                    self.buf, self.state, self.recipient = self.buf[j:], "body", None
+                    self.kind = "content"
+                    if not ends:
+                        return
+                    continue
+                if self.recipient is not None:
+                    return
                 if not ends:
                     keep = 0 if final else _held(self.buf, H_ENDS)
                     self._emit(self.kind, self.buf[:len(self.buf) - keep])
@@ -126,6 +140,18 @@ class ReasoningSplit:
                 marker = next(m for m in H_ENDS if rest.startswith(m))
                 # the next message's header begins after "<|start|>" (its role is part of it)
                 self.buf, self.state = rest[len(marker):], "header"
+
+
+def _recipient(header: str) -> str | None:
+    """The function a harmony header addresses ("to=functions.NAME", before or after the
+    channel), None where it names none."""
+    at = header.find("to=")
+    if at < 0:
+        return None
+    name = header[at + 3:].split("<|")[0].split()
+    if not name:
+        return None
+    return name[0].removeprefix("functions.")
 
 
 def split(fmt: str, text: str, prompt_tail: str = "") -> tuple[str, str]:

@@ -60,29 +60,6 @@ def test_format_of_a_vocabulary():
         ReasoningSplit("xml")
 
 
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    """A tiny model whose generate emits a scripted reply (the synthetic vocabulary has no
-    reasoning markers, so they come as text: byte-level BPE spells anything)."""
-    pytest.importorskip("tokenizers")
-    from moeforge.runtime.model import load_model
-    from moeforge.synth import preset, write_model
-    path = str(tmp_path_factory.mktemp("reasoning") / "t.gguf")
-    write_model(path, preset("tiny"), "q8_0", seed=3)
-    model = load_model(path, backend="numpy", n_ctx=256)
-    model.script = []
-
-    def generate(prompt_ids, n, sampling=None, *, stop=(), on_token=None):
-        out = []
-        for t in model.script[:n]:
-            out.append(t)
-            if on_token is not None and on_token(t):
-                break
-        return out
-    model.generate = generate
-    return model
-
-
 @pytest.mark.parametrize("fmt,text", [("think", THINK), ("harmony", HARMONY)])
 def test_server_gives_reasoning_content_apart(scripted, fmt, text):
     from test_serve import _call, _events
