@@ -47,6 +47,10 @@ def check_messages(messages) -> list[dict]:
             m["content"] = ""
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}] must be a dict with a string 'role' and a string 'content', got {m!r}")
+        # a reply's reasoning handed back (the server's reasoning_content): Qwen's templates read
+        # it under that name, gpt-oss's as `thinking` (its tool-call turns keep it)
+        if isinstance(m.get("reasoning_content"), str) and "thinking" not in m:
+            m["thinking"] = m["reasoning_content"]
         out.append(m)
     return out
 

@@ -63,11 +63,12 @@ def test_formats_from_the_vocabulary_and_bad_combinations():
 def test_tool_conversation_messages_as_templates_take_them():
     msgs = check_messages([
         {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Zürich?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Zürich"}'}},
             {"id": "call_2", "type": "function", "function": {"name": "raw", "arguments": "not json"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     assert msgs[0]["content"] == "Weather in Zürich?" and msgs[1]["content"] == ""
+    assert msgs[1]["thinking"] == msgs[1]["reasoning_content"] == "Look it up."   # gpt-oss's name, Qwen's
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Zürich"}     # a mapping for the template
     assert msgs[1]["tool_calls"][1]["function"]["arguments"] == "not json"             # kept as it came
     assert msgs[2]["tool_call_id"] == "call_1"
