@@ -20,7 +20,8 @@ FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
           "frequency_penalty": (int, float), "presence_penalty": (int, float), "echo": bool,
           "top_logprobs": int,
           "stop": (str, list), "prompt": (str, list), "messages": list, "model": str, "n": int,
-          "tools": list, "tool_choice": (str, dict), "parallel_tool_calls": bool}
+          "tools": list, "tool_choice": (str, dict), "parallel_tool_calls": bool,
+          "max_completion_tokens": int, "stream_options": dict}
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -45,8 +46,18 @@ def parse_request(body: bytes, chat: bool) -> dict:
         raise RequestError(f"'{need}' is required")
     if req.get("n", 1) != 1:
         raise RequestError("'n' must be 1 (one completion a request)")
+    # OpenAI's newer name for max_tokens (its SDKs send it for chat)
+    newer = req.get("max_completion_tokens")
+    if newer is not None and req.get("max_tokens") is not None and newer != req["max_tokens"]:
+        raise RequestError("'max_tokens' and 'max_completion_tokens' differ: give one")
+    if newer is not None:
+        req = {**req, "max_tokens": newer}
     if req.get("max_tokens", DEFAULT_MAX_TOKENS) < 0:
         raise RequestError("'max_tokens' must be >= 0")
+    opts = req.get("stream_options")
+    if opts is not None and (not req.get("stream") or set(opts) - {"include_usage"}
+                             or not isinstance(opts.get("include_usage", False), bool)):
+        raise RequestError("'stream_options' is {'include_usage': true|false}, with 'stream': true")
     stop = req.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
@@ -164,8 +175,7 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
             return self._error(500, f"{type(e).__name__}: {e}", "server_error")
         done = self._head(chat)
-        done.update(choices=[choice], usage={"prompt_tokens": len(gen.ids), "completion_tokens": len(gen.tokens),
-                                             "total_tokens": len(gen.ids) + len(gen.tokens)})
+        done.update(choices=[choice], usage=_usage(gen))
         self._json(200, done)
 
     def _choice(self, req: dict, gen: Generation, chat: bool) -> dict:
@@ -236,6 +246,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         head = self._head(chat, chunk=True)
+        usage = (req.get("stream_options") or {}).get("include_usage", False)
+        if usage:      # as OpenAI's: every chunk has usage, null but in the last one, which has no choices
+            head["usage"] = None
 
         def event(choice: dict) -> None:
             self.wfile.write(b"data: " + json.dumps({**head, "choices": [choice]}, ensure_ascii=False).encode()
@@ -278,10 +291,18 @@ class Handler(BaseHTTPRequestHandler):
             if parts is not None:
                 put(parts.flush())
             event(delta("", "tool_calls" if n_calls else gen.finish))
+            if usage:
+                self.wfile.write(b"data: " + json.dumps({**head, "choices": [], "usage": _usage(gen)}).encode()
+                                 + b"\n\n")
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except OSError:
             pass
+
+
+def _usage(gen: Generation) -> dict:
+    return {"prompt_tokens": len(gen.ids), "completion_tokens": len(gen.tokens),
+            "total_tokens": len(gen.ids) + len(gen.tokens)}
 
 
 def _call_of(call: tuple[str, str]) -> dict:

@@ -91,6 +91,26 @@ def test_chat_completion_and_its_stream(server):
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:]) == model.chat(msgs, 5)
 
 
+def test_openai_sdk_fields_max_completion_tokens_and_streamed_usage(server):
+    """OpenAI's newer max_completion_tokens is max_tokens; stream_options.include_usage adds
+    a last chunk with the usage and no choices (every other chunk's usage null)."""
+    url, model = server
+    msgs = [{"role": "user", "content": "hi there"}]
+    body = {"messages": msgs, "max_completion_tokens": 4, "temperature": 0}
+    out = json.loads(_call(url, "/v1/chat/completions", body)[2])
+    assert out["choices"][0]["message"]["content"] == model.chat(msgs, 4)
+    events = _events(_call(url, "/v1/chat/completions",
+                           {**body, "stream": True, "stream_options": {"include_usage": True}})[2])
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == out["usage"]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-2]["choices"][0]["finish_reason"]
+    plain = _events(_call(url, "/v1/chat/completions", {**body, "stream": True})[2])
+    assert all("usage" not in e for e in plain) and plain[-1]["choices"][0]["finish_reason"]
+    for bad, msg in (({**body, "max_tokens": 5}, "differ"), ({**body, "stream_options": {"include_usage": True}},
+                     "with 'stream': true"), ({**body, "stream": True, "stream_options": {"x": 1}}, "stream_options")):
+        code, _, text = _call(url, "/v1/chat/completions", bad)
+        assert code == 400 and msg in json.loads(text)["error"]["message"], text
+
+
 def test_stop_strings_cut_the_text_and_are_held_back_while_streaming(server):
     url, model = server
     ids = model.tokenizer.encode("A story:")
