@@ -21,7 +21,7 @@ FIELDS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
           "top_logprobs": int,
           "stop": (str, list), "prompt": (str, list), "messages": list, "model": str, "n": int,
           "tools": list, "tool_choice": (str, dict), "parallel_tool_calls": bool,
-          "max_completion_tokens": int, "stream_options": dict}
+          "max_completion_tokens": int, "stream_options": dict, "logit_bias": dict}
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -103,10 +103,24 @@ def _tools_of(req: dict, chat: bool) -> list | None:
     return tools if tools and choice != "none" else None
 
 
-def sampling_of(req: dict):
+def _logit_bias(req: dict, n_vocab: int) -> tuple:
+    """OpenAI's logit_bias, {"token id": bias in [-100, 100]}, as (id, bias) pairs."""
+    out = []
+    for k, v in (req.get("logit_bias") or {}).items():
+        t = int(k) if isinstance(k, str) and k.isdigit() else -1
+        if not 0 <= t < n_vocab:
+            raise RequestError(f"'logit_bias' key {k!r} is not a token id of this model (0 .. {n_vocab - 1})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise RequestError(f"'logit_bias' of token {k}: {v!r} is not a number in [-100, 100]")
+        out.append((t, float(v)))
+    return tuple(out)
+
+
+def sampling_of(req: dict, n_vocab: int):
     from .runtime.sampling import Sampling
     # llama.cpp's server defaults where the request says nothing
-    s = Sampling(temperature=float(req.get("temperature", 0.8)), top_k=req.get("top_k", 40),
+    s = Sampling(logit_bias=_logit_bias(req, n_vocab), temperature=float(req.get("temperature", 0.8)),
+                 top_k=req.get("top_k", 40),
                  top_p=float(req.get("top_p", 0.95)), min_p=float(req.get("min_p", 0.05)),
                  repeat_penalty=float(req.get("repeat_penalty", 1.0)), seed=req.get("seed"),
                  frequency_penalty=float(req.get("frequency_penalty", 0.0)),
@@ -210,7 +224,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _generation(self, req: dict, chat: bool) -> Generation:
         m = self.server.model
-        sampling = sampling_of(req)
+        sampling = sampling_of(req, m.hp.n_vocab)
         if chat and req.get("tools"):
             if self.server.tool_calls is None:
                 raise RequestError("this model writes no tool calls moeforge reads (its vocabulary has neither "

@@ -23,6 +23,7 @@ class Sampling:
     seed: int | None = None     # None: a fresh draw every run
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the last repeat_last_n (OpenAI's)
     presence_penalty: float = 0.0   # subtracted once from every token that occurs there
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), first in the chain
 
     def check(self) -> "Sampling":
         def bad(field, want):
@@ -42,6 +43,8 @@ class Sampling:
         for field in ("frequency_penalty", "presence_penalty"):
             if not np.isfinite(getattr(self, field)):
                 bad(field, "a finite number")
+        if not all(isinstance(t, int) and t >= 0 and np.isfinite(b) for t, b in self.logit_bias):
+            bad("logit_bias", "(token id >= 0, finite bias) pairs")
         return self
 
     @property
@@ -113,6 +116,10 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
         s = self.s
+        if s.logit_bias:      # llama.cpp's chain starts with it; -100 (OpenAI's floor) all but bans a token
+            logits = np.array(logits, dtype=np.float32)
+            for t, b in s.logit_bias:
+                logits[t] += b
         recent = history[-s.repeat_last_n:] if s.repeat_last_n else ()
         z = penalize(logits, recent, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
         if s.greedy:

@@ -111,6 +111,27 @@ def test_openai_sdk_fields_max_completion_tokens_and_streamed_usage(server):
         assert code == 400 and msg in json.loads(text)["error"]["message"], text
 
 
+def test_logit_bias_bans_and_forces_tokens(server):
+    """OpenAI's logit_bias: -100 all but bans the greedy choice, +100 forces a token; keys
+    that are not this model's token ids and biases out of [-100, 100] are 400s."""
+    url, model = server
+    ids = model.tokenizer.encode("Once upon")
+    first = model.generate(ids, 1)[0]
+
+    def text(bias):
+        body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "logit_bias": bias}
+        return json.loads(_call(url, "/v1/completions", body)[2])["choices"][0]["text"]
+    dec = model.tokenizer.decode
+    assert text({}).startswith(dec([first]))
+    assert not text({str(first): -100}).startswith(dec([first]))
+    forced = (first + 7) % model.hp.n_vocab
+    assert text({str(forced): 100}) == dec([forced] * 3)
+    for bias, msg in (({"abc": 1}, "not a token id"), ({str(model.hp.n_vocab): 1}, "not a token id"),
+                      ({"3": 101}, "in [-100, 100]"), ({"3": True}, "in [-100, 100]")):
+        code, _, text = _call(url, "/v1/completions", {"prompt": ids, "logit_bias": bias})
+        assert code == 400 and msg in json.loads(text)["error"]["message"], text
+
+
 def test_stop_strings_cut_the_text_and_are_held_back_while_streaming(server):
     url, model = server
     ids = model.tokenizer.encode("A story:")
