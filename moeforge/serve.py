@@ -201,6 +201,8 @@ class Handler(BaseHTTPRequestHandler):
             if thought:
                 choice["message"]["reasoning_content"] = thought
             if calls:
+                if req.get("parallel_tool_calls") is False:
+                    calls = calls[:1]
                 # as OpenAI's: no text but the calls is a null content
                 choice["message"].update(content=answer if answer.strip() else None,
                                          tool_calls=[_call_of(c) for c in calls])
@@ -276,11 +278,13 @@ class Handler(BaseHTTPRequestHandler):
         calls = self._calls(req) if chat else None
         parts = ReplyParts(self.server.reasoning, calls, self._prompt_tail(gen)) \
             if chat and (self.server.reasoning or calls) else None
-        n_calls = 0
+        n_calls, one_call = 0, req.get("parallel_tool_calls") is False
 
         def put(pieces) -> None:
             nonlocal n_calls
             for kind, p in pieces:
+                if kind == "call" and one_call and n_calls:
+                    continue
                 if kind == "call":    # whole, as its block ends: name and arguments in one delta
                     d = {"tool_calls": [{"index": n_calls, **_call_of(p)}]}
                     n_calls += 1

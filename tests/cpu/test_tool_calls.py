@@ -122,10 +122,13 @@ def test_server_returns_tool_calls_whole_and_streamed(scripted, monkeypatch, rea
         out = json.loads(_call(url, "/v1/chat/completions", body)[2])["choices"][0]
         events = _events(_call(url, "/v1/chat/completions", {**body, "stream": True})[2])
         plain = json.loads(_call(url, "/v1/chat/completions", {**body, "tool_choice": "none"})[2])["choices"][0]
+        one = json.loads(_call(url, "/v1/chat/completions", {**body, "parallel_tool_calls": False})[2])["choices"][0]
+        one_events = _events(_call(url, "/v1/chat/completions",
+                                   {**body, "parallel_tool_calls": False, "stream": True})[2])
     finally:
         srv.shutdown()
         srv.server_close()
-    assert seen[0] == {"tools": TOOLS} and seen[1] == {"tools": TOOLS} and seen[2] == {}
+    assert seen[0] == {"tools": TOOLS} and seen[1] == {"tools": TOOLS} and seen[2] == {} and seen[3] == {"tools": TOOLS}
     msg = out["message"]
     assert out["finish_reason"] == "tool_calls" and msg["reasoning_content"] == want_thought
     assert msg["content"] == (want_content if want_content.strip() else None)
@@ -138,6 +141,10 @@ def test_server_returns_tool_calls_whole_and_streamed(scripted, monkeypatch, rea
         [(i, n, a) for i, (n, a) in enumerate(want_calls)]
     assert "".join(d.get("content", "") for d in deltas) == want_content
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # parallel_tool_calls false: the first call only
+    assert [c["function"]["name"] for c in one["message"]["tool_calls"]] == [want_calls[0][0]]
+    assert [c["function"]["name"] for e in one_events for c in e["choices"][0]["delta"].get("tool_calls", [])] == \
+        [want_calls[0][0]]
     # tool_choice "none": no tools in the prompt, the calls' text stays text
     assert plain["finish_reason"] != "tool_calls" and "tool_calls" not in plain["message"]
 
