@@ -58,9 +58,9 @@ def _stream(model, ids: list[int], n: int, sampling, ignore_eos: bool, reasoning
     reply's text. reasoning (a runtime.reasoning format): its reasoning goes to stderr, the
     answer (returned) to stdout."""
     from .runtime.generation import Generation
-    from .runtime.reasoning import ReasoningSplit
+    from .runtime.tool_calls import ReplyParts
     gen = Generation(model, ids, n, sampling, eos=not ignore_eos)
-    parts = ReasoningSplit(reasoning, model.tokenizer.decode(ids[-8:])) if reasoning else None
+    parts = ReplyParts(reasoning, None, model.tokenizer.decode(ids[-8:]))
     answer = []
     t0 = time.perf_counter()
 
@@ -72,11 +72,11 @@ def _stream(model, ids: list[int], n: int, sampling, ignore_eos: bool, reasoning
         out.flush()
 
     def show(piece: str) -> None:
-        for kind, p in (parts.add(piece) if parts else [("content", piece)]):
+        for kind, p in parts.add(piece):
             put(kind, p)
 
     gen.run(on_text=show)
-    for kind, p in (parts.flush() if parts else []):
+    for kind, p in parts.flush():
         put(kind, p)
     t1 = time.perf_counter()
     sys.stdout.write("\n")

@@ -276,8 +276,7 @@ class Handler(BaseHTTPRequestHandler):
             return {"index": 0, "finish_reason": finish, **body}
 
         calls = self._calls(req) if chat else None
-        parts = ReplyParts(self.server.reasoning, calls, self._prompt_tail(gen)) \
-            if chat and (self.server.reasoning or calls) else None
+        parts = ReplyParts(self.server.reasoning, calls, self._prompt_tail(gen)) if chat else None
         n_calls, one_call = 0, req.get("parallel_tool_calls") is False
 
         def put(pieces) -> None:

@@ -34,8 +34,9 @@ def check_messages(messages) -> list[dict]:
         if calls is not None:
             if m["role"] != "assistant":
                 raise ValueError(f"messages[{i}]: only an assistant message carries 'tool_calls'")
-            m["tool_calls"] = [_check_call(i, j, c) for j, c in enumerate(calls)] if isinstance(calls, list) else \
+            if not isinstance(calls, list):
                 _bad(i, "'tool_calls' must be a list")
+            m["tool_calls"] = [_check_call(i, j, c) for j, c in enumerate(calls)]
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

@@ -171,8 +171,8 @@ class Model:
         message (the reasoning before the final answer), is not one (llama.cpp's rule)."""
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
         found = [int(v) for v in (self.file.get(k, kind=int) for k in keys) if v is not None]
-        tokens = self.file.get("tokenizer.ggml.tokens")
-        if isinstance(tokens, list) and "<|return|>" in tokens and "<|call|>" in tokens:
+        tokens = self._token_strings()
+        if tokens and "<|return|>" in tokens and "<|call|>" in tokens:
             end = tokens.index("<|end|>") if "<|end|>" in tokens else None
             found = [t for t in found if t != end] + [tokens.index("<|return|>"), tokens.index("<|call|>")]
         return tuple(dict.fromkeys(t for t in found if t < self.hp.n_vocab))
@@ -182,16 +182,18 @@ class Model:
         """How a chat reply marks its reasoning, from the vocabulary: "think" (<think>..</think>),
         "harmony" (gpt-oss's channels) or None (runtime.reasoning)."""
         from .reasoning import format_of
-        tokens = self.file.get("tokenizer.ggml.tokens")
-        return format_of(tokens) if isinstance(tokens, list) else None
+        return format_of(self._token_strings() or ())
 
     @property
     def tool_call_format(self) -> str | None:
         """How a chat reply writes tool calls, from the vocabulary: "hermes" (<tool_call>
         blocks), "harmony" (gpt-oss's messages to functions.NAME) or None (runtime.tool_calls)."""
         from .tool_calls import format_of
+        return format_of(self._token_strings() or ())
+
+    def _token_strings(self) -> list[str] | None:
         tokens = self.file.get("tokenizer.ggml.tokens")
-        return format_of(tokens) if isinstance(tokens, list) else None
+        return tokens if isinstance(tokens, list) else None
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True, **variables) -> list[int]:
         """The token ids of `messages` in the file's chat template (runtime.chat), ending in

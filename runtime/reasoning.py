@@ -31,7 +31,7 @@ def format_of(vocab) -> str | None:
     return None
 
 
-def _held(text: str, markers) -> int:
+def held_back(text: str, markers) -> int:
     """How many characters at the end of text could begin one of the markers."""
     for k in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
         if any(m.startswith(text[-k:]) for m in markers):
@@ -90,7 +90,7 @@ class ReasoningSplit:
                 i = self.buf.find(THINK_CLOSE)
                 if i < 0:
                     # held: what could begin the marker, and trailing blanks (they may end the reasoning)
-                    sure = self.buf if final else self.buf[:len(self.buf) - _held(self.buf, (THINK_CLOSE,))].rstrip()
+                    sure = self.buf if final else self.buf[:len(self.buf) - held_back(self.buf, (THINK_CLOSE,))].rstrip()
                     self._emit("reasoning", sure)
                     self.buf = self.buf[len(sure):]
                     return
@@ -130,7 +130,7 @@ class ReasoningSplit:
                 if self.recipient is not None:
                     return
                 if not ends:
-                    keep = 0 if final else _held(self.buf, H_ENDS)
+                    keep = 0 if final else held_back(self.buf, H_ENDS)
                     self._emit(self.kind, self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     return

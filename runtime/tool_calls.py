@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from .reasoning import ReasoningSplit, _held
+from .reasoning import ReasoningSplit, held_back
 
 FORMATS = ("hermes", "harmony")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -61,7 +61,7 @@ class HermesCalls:
             if not self.inside:
                 i = self.buf.find(OPEN)
                 if i < 0:
-                    keep = 0 if final else _held(self.buf, (OPEN,))
+                    keep = 0 if final else held_back(self.buf, (OPEN,))
                     out.append(("content", self.buf[:len(self.buf) - keep]))
                     self.buf = self.buf[len(self.buf) - keep:]
                     break

@@ -222,3 +222,14 @@ def scripted(tmp_path_factory):
         return out
     model.generate = generate
     return model
+
+
+def fed_in_pieces(splitter, text: str, rng, most: int = 8) -> list:
+    """splitter.add() over text cut at random (pieces of 1 to `most` characters), then
+    flush(): every (kind, value) handed out, in order (runtime.reasoning, runtime.tool_calls)."""
+    parts, i = [], 0
+    while i < len(text):
+        k = int(rng.integers(1, most + 1))
+        parts += splitter.add(text[i:i + k])
+        i += k
+    return parts + splitter.flush()

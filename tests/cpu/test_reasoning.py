@@ -5,6 +5,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import fed_in_pieces
 
 from moeforge.runtime.reasoning import ReasoningSplit, format_of, split
 
@@ -30,12 +31,7 @@ CASES = [
 def test_split_whole_and_streamed(fmt, text, tail, want, rng):
     assert split(fmt, text, tail) == want
     for _ in range(50):     # any cut into pieces gives the same two texts
-        s, parts, i = ReasoningSplit(fmt, tail), [], 0
-        while i < len(text):
-            k = int(rng.integers(1, 9))
-            parts += s.add(text[i:i + k])
-            i += k
-        parts += s.flush()
+        parts = fed_in_pieces(ReasoningSplit(fmt, tail), text, rng)
         assert all(p for _, p in parts)
         got = tuple("".join(p for kind, p in parts if kind == k) for k in ("reasoning", "content"))
         assert got == want

@@ -6,6 +6,7 @@ import json
 import threading
 
 import pytest
+from conftest import fed_in_pieces
 
 from moeforge.runtime.chat import ChatTemplateError, check_messages, render
 from moeforge.runtime.tool_calls import ReplyParts, format_of, whole
@@ -38,12 +39,7 @@ CASES = [
 def test_calls_whole_and_streamed(reasoning, calls, text, tail, want, rng):
     assert whole(reasoning, calls, text, tail) == want
     for _ in range(40):     # any cut into pieces gives the same parts
-        p, parts, i = ReplyParts(reasoning, calls, tail), [], 0
-        while i < len(text):
-            k = int(rng.integers(1, 7))
-            parts += p.add(text[i:i + k])
-            i += k
-        parts += p.flush()
+        parts = fed_in_pieces(ReplyParts(reasoning, calls, tail), text, rng, most=6)
         assert all(v for _, v in parts)
         got = ("".join(v for k, v in parts if k == "reasoning"), "".join(v for k, v in parts if k == "content"),
                [v for k, v in parts if k == "call"])
