@@ -163,8 +163,8 @@ class NumpyBackend(Backend):
         weights = super().upload(refs, progress)
         # numerics="kernel" follows the GPU's prompt attention onto tensor cores where it goes
         # there (on an sm_80+ card, the generations moeforge builds for: codegen.compile.ARCHS)
-        on_tc = prompt_attention.kernel_for(self.hp, "8.0", self.attn_precision,
-                                            cache=self.cache_type) in prompt_attention.TENSOR_CORE.values()
+        on_tc = prompt_attention.tensor_core(prompt_attention.kernel_for(self.hp, "8.0", self.attn_precision,
+                                                                         cache=self.cache_type))
         self.attn_tc = self.attn_precision if self.numerics == "kernel" and on_tc else None
         return weights
 

@@ -6,23 +6,39 @@ attention weights are quantized: their q8_1 activations already cost more than f
 it is the precision of llama.cpp's flash attention and f16 KV cache), "tf32" (float32's
 range, 10-bit mantissas) or "f32" (the default of float models). Kernels
 (templates/attn_prefill*.cuh.j2):
-- attn_prefill_f16: q (scaled by scale * log2 e in float32), keys, values and the
-  probabilities rounded to f16 (nearest even); sums float32.
+- attn_prefill_fa64, attn_prefill_fa128 (heads up to that wide): q (scaled by scale *
+  log2 e in float32), keys, values and the probabilities rounded to f16 (nearest even);
+  sums float32; one online softmax a row over steps of 64 keys.
 - attn_prefill_tc: q and the probabilities rounded to tf32 (ties away), keys and values
-  truncated to it (the tensor cores read their float32 as it is); sums float32.
+  truncated to it (the tensor cores read their float32 as it is); sums float32; each 64-key
+  tile in two halves of 32 with a softmax each, merged at the end.
 - attn_prefill: float32 FMA throughout.
-Both tensor-core kernels run the softmax online in base 2, in two halves of each 64-key tile
-merged at the end. An f16 KV cache holds what attn_prefill_f16 would round the keys and
-values to, so it is the one kernel built for such a cache (the same bits, no conversion).
+Both tensor-core kernels run the softmax online in base 2. An f16 KV cache holds what the
+f16 kernels would round the keys and values to, so they are the ones built for such a cache
+(the same bits, no conversion).
 """
 from __future__ import annotations
 
 import numpy as np
 
 PRECISIONS = ("f16", "tf32", "f32")
-ROWS = {"attn_prefill": 8, "attn_prefill_tc": 16, "attn_prefill_f16": 16}   # query tokens per block
+ROWS = {"attn_prefill": 8, "attn_prefill_tc": 16}   # query tokens per block (attn_prefill_fa: rows())
 KEYS, HALF = 64, 32                      # the tensor-core kernels: keys per tile, per warp
-TENSOR_CORE = {"f16": "attn_prefill_f16", "tf32": "attn_prefill_tc"}
+FA_EXACT = (64, 128)                     # attn_prefill_fa's instances for heads of exactly that width
+FA_WARPS = 8
+# the online softmax of each precision's kernel: keys a step, and the parts a row's steps
+# are dealt to in turn (each with its own max and sums, merged at the end)
+LAYOUT = {"f16": (KEYS, 1), "tf32": (HALF, 2)}
+
+
+def fa_kernel(head_dim: int) -> str:
+    """The f16 prompt kernel for heads of head_dim: the instance built for that width, else
+    the one that tests the width in its loops."""
+    return f"attn_prefill_fa{head_dim}" if head_dim in FA_EXACT else "attn_prefill_fa"
+
+
+def tensor_core(kernel: str | None) -> bool:
+    return kernel is not None and (kernel == "attn_prefill_tc" or kernel.startswith("attn_prefill_f"))
 
 
 def check_precision(precision: str) -> str:
@@ -43,7 +59,7 @@ def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = Non
         return None
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     fits = lambda kernel: smem_limit is None or smem_bytes(hp, kernel, bufs=1, cache=cache) <= smem_limit  # noqa: E731
-    kernel = TENSOR_CORE.get(precision)
+    kernel = {"f16": fa_kernel(hd), "tf32": "attn_prefill_tc"}.get(precision)
     width = 16 if precision == "f16" else 32
     if kernel and int(cc.split(".")[0]) >= 8 and g <= 8 and hd % width == 0 and fits(kernel):
         return kernel
@@ -52,33 +68,42 @@ def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = Non
     return "attn_prefill" if g <= 16 and hd % 4 == 0 and fits("attn_prefill") else None
 
 
+def rows(hp, kernel: str) -> int:
+    """Query tokens a block: attn_prefill_fa 16 a warp, its 8 warps over the group's heads
+    first (8 // g token tiles of 16)."""
+    if kernel.startswith("attn_prefill_fa"):
+        return 16 * (FA_WARPS // (hp.n_head // hp.n_head_kv))
+    return ROWS[kernel]
+
+
 def threads(hp, kernel: str) -> int:
-    """A block's threads: attn_prefill a warp per query head of the group; the tensor-core
-    kernels sixteen warps whatever the group (two per head of up to 8; those past the group
-    only copy key tiles)."""
-    return 32 * (hp.n_head // hp.n_head_kv) if kernel == "attn_prefill" else 512
+    """A block's threads: attn_prefill a warp per query head of the group; attn_prefill_fa a
+    warp per head and 16 tokens, up to 8; the other tensor-core kernels sixteen warps whatever
+    the group (two per head of up to 8; those past the group only copy key tiles)."""
+    g = hp.n_head // hp.n_head_kv
+    if kernel.startswith("attn_prefill_fa"):
+        return 32 * g * (FA_WARPS // g)
+    return 32 * g if kernel == "attn_prefill" else 512
 
 
 def smem_bytes(hp, kernel: str, bufs: int = 2, cache: str = "f32") -> int:
     """A block's dynamic shared memory, row strides as in the kernels: attn_prefill holds q
     rows, two key and two value tiles and the probabilities (floats); attn_prefill_tc q rows
-    (tf32) and `bufs` 64-key tiles of keys and values (float32); attn_prefill_f16 q rows and
-    one key and value tile (f16) and `bufs` staging tiles of keys and values (float32), or
-    with an f16 cache `bufs` key and value tiles (f16), and at least the halves' merge (O of
-    each head, float32)."""
+    (tf32) and `bufs` 64-key tiles of keys and values (float32); attn_prefill_fa two key and
+    value tiles (f16) and `bufs` staging tiles of keys and values (float32), or with an f16
+    cache `bufs` key and value tiles (f16). (attn_prefill_fa's q lives in registers.)"""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
-    rows = ROWS[kernel]
-    if kernel == "attn_prefill_f16":
-        merge = 16 * g * (hd // 8 + 1) * 32
+    rows = ROWS.get(kernel, 0)
+    if kernel.startswith("attn_prefill_fa"):
         if cache == "f16":
-            return max(merge, 2 * (g * rows * (hd + 8) + 2 * bufs * KEYS * (hd + 8)))
-        return max(merge, 2 * (g * rows * (hd + 8) + 2 * KEYS * (hd + 8)) + 4 * 2 * bufs * KEYS * hd)
+            return 2 * 2 * bufs * KEYS * (hd + 8)
+        return 2 * 2 * 2 * KEYS * (hd + 8) + 4 * 2 * bufs * KEYS * hd
     if kernel == "attn_prefill_tc":
         return 4 * (g * rows * (hd + 4) + bufs * KEYS * (hd + 4) + bufs * KEYS * (hd + 8))
     return 4 * (g * rows * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * rows * 32)
 
 
-def tile_buffers(hp, smem_limit: int, kernel: str = "attn_prefill_f16", cache: str = "f32") -> int:
+def tile_buffers(hp, smem_limit: int, kernel: str, cache: str = "f32") -> int:
     """A tensor-core kernel's key tiles in flight: two (the next copied while this one is
     used) where a block has the room, else one."""
     return 2 if smem_bytes(hp, kernel, bufs=2, cache=cache) <= smem_limit else 1
@@ -112,10 +137,12 @@ ROUNDING = {"tf32": (tf32, tf32_truncated, tf32), "f16": (f16, f16, f16)}
 
 def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16", sinks=None, window: int = 0) -> np.ndarray:
     """A tensor-core kernel's result in float64 between its rounding points. q (n, q_dim)
-    float32 for positions pos0.., k and v (L, kv_dim) float32 the cache up to pos0 + n. Half h
-    of each 64-key tile (keys 32h..32h+31) has its own online softmax, as in the kernels (where
-    p is rounded relative to that half's running max); the halves merge at the end."""
+    float32 for positions pos0.., k and v (L, kv_dim) float32 the cache up to pos0 + n. The
+    keys go in steps of the kernel's (LAYOUT), dealt in turn to its parts: each part has its
+    own online softmax (p rounded relative to that part's running max, as in the kernels)
+    and the parts merge at the end."""
     round_q, round_kv, round_p = ROUNDING[precision]
+    step, parts = LAYOUT[precision]
     n, hd, hkv = q.shape[0], hp.head_dim, hp.n_head_kv
     g, L = hp.n_head // hkv, pos0 + n
     scale_log2 = np.float32(1.0 / np.sqrt(hd) * np.log2(np.e))
@@ -123,30 +150,29 @@ def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16", sinks=None, win
     ks = round_kv(k[:L]).astype(np.float64).reshape(L, hkv, hd)
     vs = round_kv(v[:L]).astype(np.float64).reshape(L, hkv, hd)
     last = pos0 + np.arange(n)
-    halves = []
-    for h in range(KEYS // HALF):
+    ms, totals, os_ = [], [], []
+    for h in range(parts):
         m = np.full((hkv, g, n), -np.inf)
         total = np.zeros((hkv, g, n))
         o = np.zeros((hkv, g, n, hd))
-        for j0 in range(h * HALF, L, KEYS):
-            j1 = min(L, j0 + HALF)
+        for j0 in range(h * step, L, step * parts):
+            j1 = min(L, j0 + step)
             s = np.einsum("nhgd,lhd->hgnl", qs, ks[j0:j1])
             gap = last[:, None] - np.arange(j0, j1)[None, :]
             s[..., (gap < 0) | (window > 0) & (gap >= window)] = -np.inf
             mn = np.maximum(m, s.max(axis=-1))
-            base = np.where(mn == -np.inf, 0.0, mn)     # a row that has seen no key of this half
+            base = np.where(mn == -np.inf, 0.0, mn)     # a row that has seen no key of this part
             alpha, p = np.exp2(m - base), np.exp2(s - base[..., None])
             total = total * alpha + p.sum(axis=-1)
             o = o * alpha[..., None] + np.einsum("hgnl,lhd->hgnd", round_p(p).astype(np.float64), vs[j0:j1])
             m = mn
-        halves.append((m, total, o))
-    (ma, la, oa), (mb, lb, ob) = halves
-    top = np.maximum(ma, mb)                            # finite: a row's own key is in one half
+        ms.append(m), totals.append(total), os_.append(o)
+    top = np.max(ms, axis=0)                            # finite: a row's own key is in one part
     extra = 0.0
     if sinks is not None:
         sk = (np.asarray(sinks, dtype=np.float64) * np.log2(np.e)).reshape(hkv, g, 1)
         top = np.maximum(top, sk)
         extra = np.exp2(sk - top)
-    fa, fb = np.exp2(ma - top), np.exp2(mb - top)
-    o = (oa * fa[..., None] + ob * fb[..., None]) / (la * fa + lb * fb + extra)[..., None]
+    f = [np.exp2(m - top) for m in ms]
+    o = sum(oi * fi[..., None] for oi, fi in zip(os_, f)) / (sum(li * fi for li, fi in zip(totals, f)) + extra)[..., None]
     return o.transpose(2, 0, 1, 3).reshape(n, hp.q_dim)

@@ -13,13 +13,13 @@ from moeforge.codegen.spec import ModelSpec
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_model_kernels_compile(arch, cache, tmp_path):
     """Both modules (a float32 and an f16 KV cache) build, and the decode attention kernels
-    and attn_prefill_f16 do not spill (the FMA prompt kernel spills 4 bytes on sm_80)."""
+    and attn_prefill_fa do not spill (the FMA prompt kernel spills 4 bytes on sm_80)."""
     spec = ModelSpec(cache=cache)
     compiled = compile_spec(spec, arch, tmp_path)
     assert compiled.cubin.stat().st_size > 0
     assert set(spec.kernels) <= set(compiled.info), sorted(set(spec.kernels) - set(compiled.info))
     for k in spec.kernels:
-        if k.startswith("attn_decode") or k == "attn_prefill_f16":
+        if k.startswith(("attn_decode", "attn_prefill_fa")):
             assert compiled.info[k]["spill_stores"] == 0, (k, compiled.info[k])
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from moeforge.runtime.arch_qwen3moe import HParams
 from moeforge.runtime.prompt_attention import (ROUNDING, attention_tc, check_precision, f16, kernel_for,
-                                              smem_bytes, tf32, tf32_truncated, threads, tile_buffers)
+                                              rows, smem_bytes, tf32, tf32_truncated, threads, tile_buffers)
 
 
 def _hp(n_head, n_head_kv, head_dim):
@@ -18,8 +18,9 @@ def _hp(n_head, n_head_kv, head_dim):
 
 
 def test_qwen3_heads_get_tensor_cores_from_sm80():
-    assert kernel_for(_hp(32, 4, 128), "9.0") == "attn_prefill_f16"    # Qwen3-30B-A3B
-    assert kernel_for(_hp(32, 4, 128), "8.0") == "attn_prefill_f16"
+    assert kernel_for(_hp(32, 4, 128), "9.0") == "attn_prefill_fa128"  # Qwen3-30B-A3B
+    assert kernel_for(_hp(32, 4, 128), "8.0") == "attn_prefill_fa128"
+    assert kernel_for(_hp(64, 8, 64), "9.0") == "attn_prefill_fa64"    # gpt-oss
     assert kernel_for(_hp(32, 4, 128), "9.0", "tf32") == "attn_prefill_tc"
     assert kernel_for(_hp(32, 4, 128), "7.5") == "attn_prefill"
     assert kernel_for(_hp(32, 4, 128), "7.5", "tf32") == "attn_prefill"
@@ -35,7 +36,7 @@ def test_an_unknown_precision_is_refused():
 def test_heads_past_the_tensor_core_kernel_fall_back():
     assert kernel_for(_hp(64, 4, 128), "9.0") == "attn_prefill"         # 16 heads a group
     assert kernel_for(_hp(6, 3, 36), "9.0") == "attn_prefill"           # width not a multiple of 16
-    assert kernel_for(_hp(6, 3, 48), "9.0") == "attn_prefill_f16"       # a multiple of 16 ...
+    assert kernel_for(_hp(6, 3, 48), "9.0") == "attn_prefill_fa"        # a multiple of 16 ...
     assert kernel_for(_hp(6, 3, 48), "9.0", "tf32") == "attn_prefill"   # ... not of 32
     assert kernel_for(_hp(8, 8, 256), "9.0") is None                    # wider than 128: cuBLAS
     assert kernel_for(_hp(34, 1, 64), "9.0") is None                    # 34 heads a group
@@ -44,10 +45,16 @@ def test_heads_past_the_tensor_core_kernel_fall_back():
 
 
 def test_block_sizes():
-    # the tensor-core kernel keeps sixteen warps whatever the group: they all copy key tiles
+    # the tf32 kernel keeps sixteen warps whatever the group: they all copy key tiles
     for heads in ((32, 4, 128), (16, 4, 64), (8, 8, 32)):
         assert threads(_hp(*heads), "attn_prefill_tc") == 512
-        assert threads(_hp(*heads), "attn_prefill_f16") == 512
+        assert rows(_hp(*heads), "attn_prefill_tc") == 16
+    # attn_prefill_fa: a warp per head and 16 tokens, as many token tiles as 8 warps hold
+    for heads, warps, tokens in (((32, 4, 128), 8, 16), ((16, 4, 64), 8, 32), ((8, 8, 32), 8, 128),
+                                 ((12, 2, 80), 6, 16), ((40, 8, 128), 5, 16), ((6, 3, 48), 8, 64)):
+        kernel = kernel_for(_hp(*heads), "9.0")
+        assert kernel.startswith("attn_prefill_fa")
+        assert (threads(_hp(*heads), kernel), rows(_hp(*heads), kernel)) == (32 * warps, tokens), heads
     assert threads(_hp(32, 4, 128), "attn_prefill") == 256
     assert threads(_hp(16, 4, 64), "attn_prefill") == 128
     assert threads(_hp(64, 4, 128), "attn_prefill") == 512
@@ -58,14 +65,18 @@ def test_shared_memory_of_qwen3_heads():
     assert smem_bytes(hp, "attn_prefill_tc") == 4 * (8 * 16 * 132 + 2 * 64 * 132 + 2 * 64 * 136)
     assert smem_bytes(hp, "attn_prefill") == 4 * (8 * 8 * 128 + 2 * 32 * 129 + 2 * 32 * 128 + 8 * 8 * 32)
     assert smem_bytes(hp, "attn_prefill_tc") <= 227 * 1024             # one block on an H100
-    assert smem_bytes(hp, "attn_prefill_f16") == 2 * (8 * 16 * 136 + 2 * 64 * 136) + 4 * 2 * 2 * 64 * 128
-    assert smem_bytes(hp, "attn_prefill_f16") <= 227 * 1024
+    # two f16 key and value tiles and two float32 staging tiles, or `bufs` f16 tiles
+    assert smem_bytes(hp, "attn_prefill_fa128") == 2 * 2 * 2 * 64 * 136 + 4 * 2 * 2 * 64 * 128
+    assert smem_bytes(hp, "attn_prefill_fa128") <= 227 * 1024
+    assert smem_bytes(hp, "attn_prefill_fa128", bufs=3, cache="f16") == 2 * 2 * 3 * 64 * 136
+    assert 2 * (smem_bytes(_hp(64, 8, 64), "attn_prefill_fa64") + 1024) <= 228 * 1024   # two blocks an SM
     assert 2 * (smem_bytes(hp, "attn_prefill") + 1024) <= 228 * 1024  # two
     assert smem_bytes(_hp(64, 4, 128), "attn_prefill") <= 227 * 1024
 
 
-@pytest.mark.parametrize("precision,kernel", [("f16", "attn_prefill_f16"), ("tf32", "attn_prefill_tc")])
-def test_a_card_with_less_shared_memory_gets_a_kernel_that_fits(precision, kernel):
+@pytest.mark.parametrize("precision,kernel,small", [("f16", "attn_prefill_fa128", "attn_prefill_fa"),
+                                                   ("tf32", "attn_prefill_tc", "attn_prefill_tc")])
+def test_a_card_with_less_shared_memory_gets_a_kernel_that_fits(precision, kernel, small):
     hp = _hp(32, 4, 128)
     assert kernel_for(hp, "9.0", precision, smem_limit=227 * 1024) == kernel
     assert tile_buffers(hp, 227 * 1024, kernel) == 2                            # H100: double-buffered
@@ -73,7 +84,7 @@ def test_a_card_with_less_shared_memory_gets_a_kernel_that_fits(precision, kerne
     assert tile_buffers(hp, 163 * 1024, kernel) == 1                            # A100: one tile
     assert smem_bytes(hp, kernel, bufs=1) <= 163 * 1024 < smem_bytes(hp, kernel)
     assert kernel_for(hp, "8.6", precision, smem_limit=99 * 1024) is None       # cuBLAS then
-    assert kernel_for(_hp(8, 8, 32), "8.6", precision, smem_limit=99 * 1024) == kernel
+    assert kernel_for(_hp(8, 8, 32), "8.6", precision, smem_limit=99 * 1024) == small
 
 
 def test_tf32_rounds_to_nearest_ties_away_or_truncates():
@@ -89,9 +100,14 @@ def test_f16_rounds_to_nearest_even_and_keeps_subnormals():
     np.testing.assert_array_equal(f16(x), want)
 
 
+# the kernels' softmax steps: attn_prefill_tc two online softmaxes a row, over keys 0-31,
+# 64-95, ... and 32-63, 96-127, ...; attn_prefill_fa one, over keys 0-63, 64-127, ...
+STEPS = {"tf32": (32, (0, 32)), "f16": (64, (0,))}
+
+
 def _rows_one_by_one(q, k, v, hp, pos0, precision):
-    """Each row and head on its own: two online softmaxes, over keys 0-31, 64-95, ... and
-    32-63, 96-127, ... up to the row's position, merged."""
+    """Each row and head on its own: the kernel's online softmaxes up to the row's
+    position (STEPS), merged."""
     round_q, round_kv, round_p = ROUNDING[precision]
     n, g, hd = q.shape[0], hp.n_head // hp.n_head_kv, hp.head_dim
     qs = round_q(q * np.float32(1.0 / np.sqrt(hd) * np.log2(np.e))).astype(np.float64)
@@ -101,10 +117,11 @@ def _rows_one_by_one(q, k, v, hp, pos0, precision):
         for h in range(hp.n_head):
             c = slice((h // g) * hd, (h // g + 1) * hd)
             parts = []
-            for first in (0, 32):
+            step, firsts = STEPS[precision]
+            for first in firsts:
                 m, total, o = -np.inf, 0.0, np.zeros(hd)
                 for j0 in range(first, pos0 + t + 1, 64):
-                    j1 = min(pos0 + t + 1, j0 + 32)
+                    j1 = min(pos0 + t + 1, j0 + step)
                     s = ks[j0:j1, c] @ qs[t, h * hd:(h + 1) * hd]
                     mn = max(m, s.max())
                     alpha, p = 2.0 ** (m - mn), 2.0 ** (s - mn)
@@ -112,10 +129,10 @@ def _rows_one_by_one(q, k, v, hp, pos0, precision):
                     o = o * alpha + round_p(p).astype(np.float64) @ vs[j0:j1, c]
                     m = mn
                 parts.append((m, total, o))
-            (ma, la, oa), (mb, lb, ob) = parts
-            top = max(ma, mb)
-            fa, fb = 2.0 ** (ma - top), 2.0 ** (mb - top)
-            out[t, h * hd:(h + 1) * hd] = (oa * fa + ob * fb) / (la * fa + lb * fb)
+            top = max(m for m, _, _ in parts)
+            f = [2.0 ** (m - top) for m, _, _ in parts]
+            out[t, h * hd:(h + 1) * hd] = (sum(o * fi for (_, _, o), fi in zip(parts, f))
+                                           / sum(total * fi for (_, total, _), fi in zip(parts, f)))
     return out
 
 
@@ -206,51 +223,63 @@ def _mma_m16n8k16(d, a, b0, b1):
 
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("hd", [128, 48])
-def test_ldmatrix_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache):
-    """attn_prefill_f16's q, key and (transposed) value row addresses, as the rendered kernel
-    writes them (for either cache: the tiles' layout is the same), fed through ldmatrix and
-    m16n8k16 as PTX defines them: each warp half's S must be q . k^T of its 32 keys in
-    natural order, and O its S (as P, in the registers S left it in) times the value rows."""
+def test_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache):
+    """attn_prefill_fa's q fragments (from global memory) and its key and (transposed) value
+    row addresses, as the rendered kernel writes them (for either cache: the tiles' layout
+    is the same), fed through ldmatrix and m16n8k16 as PTX defines them: a warp's S must be
+    q . k^T of the tile's 64 keys in natural order, and O its S (as P, in the registers S
+    left it in) times the value rows."""
     from moeforge.codegen.render import render
     from moeforge.codegen.spec import ModelSpec
     src = render(ModelSpec(cache=cache))
-    body = src[src.index("attn_prefill_f16("):]
-    expr = {"qa": re.search(r"const unsigned short\* qa = Qh \+ (.+?);", body).group(1)}
+    body = src[src.index("attn_fa_body("):]
+    expr = {}
     for name in ("ka", "va"):     # the tile's base plus an offset
         assert re.search(rf"const unsigned short\* {name} = [KV]h \+ {name}_off;", body), name
         expr[name] = re.search(rf"const int {name}_off = (.+?);", body).group(1)
-    for call in ("ldsm_x4(a, qa + c);", "ldsm_x4(b01, ka + c);", "ldsm_x4(b23, ka + 16 * ls + c);",
+    for call in ("const int col = (kvh * g + head) * hd + 2 * tq;",       # q: rows gr, gr + 8 from col
+                 "const float* qa = q + (size_t)(t0 + min(r0 + gr, nr - 1)) * q_dim + col;",
+                 "const float* qb = q + (size_t)(t0 + min(r0 + gr + 8, nr - 1)) * q_dim + col;",
+                 "const float2 x0 = *(const float2*)(qa + 16 * c), x1 = *(const float2*)(qb + 16 * c);",
+                 "const float2 x2 = *(const float2*)(qa + 16 * c + 8), x3 = *(const float2*)(qb + 16 * c + 8);",
+                 "ldsm_x4(b, ka + p * 16 * ls + c * 16);", "mma_f16(s[2 * p], qf[c], b[0], b[1]);",
+                 "mma_f16(s[2 * p + 1], qf[c], b[2], b[3]);",
                  "ldsm_x4_trans(b, va + kb * 16 * ls + np * 16);", "mma_f16(o[2 * np], a, b[0], b[1]);",
                  "mma_f16(o[2 * np + 1], a, b[2], b[3]);", "const unsigned a[4] = {f16x2_of(s[2 * kb][0], "
                  "s[2 * kb][1]), f16x2_of(s[2 * kb][2], s[2 * kb][3]),"):
         assert call in body, call
+    for i, x in enumerate(("x0", "x1", "x2", "x3")):
+        assert f"qf[c][{i}] = f16x2_of({x}.x * scale_log2, {x}.y * scale_log2);" in body
     ls = hd + 8
     rng = np.random.default_rng()
-    q, k, v = (rng.standard_normal(rows * ls) for rows in (16, 64, 64))
-    for half in (0, 1):
-        lanes = [dict(lm=ln >> 3, lr=ln & 7, ls=ls, half=half, head=0, F16_ROWS=16) for ln in range(32)]
-        qa, ka, va = ([eval(expr[x], {}, env) for env in lanes] for x in ("qa", "ka", "va"))  # noqa: S307
-        s = np.zeros((4, 32, 4))
-        for c in range(0, hd, 16):
-            a = _ldmatrix(q, [x + c for x in qa])
-            b01, b23 = _ldmatrix(k, [x + c for x in ka]), _ldmatrix(k, [x + 16 * ls + c for x in ka])
-            for nb, (b0, b1) in enumerate([(b01[0], b01[1]), (b01[2], b01[3]), (b23[0], b23[1]), (b23[2], b23[3])]):
-                _mma_m16n8k16(s[nb], a, b0, b1)
-        S = q.reshape(16, ls)[:, :hd] @ k.reshape(64, ls)[32 * half:32 * half + 32, :hd].T
-        PV = S @ v.reshape(64, ls)[32 * half:32 * half + 32, :hd]
-        o = np.zeros((hd // 8, 32, 4))
-        for kb in range(2):
-            a = [[(s[2 * kb + i // 2][t][2 * (i % 2)], s[2 * kb + i // 2][t][2 * (i % 2) + 1]) for t in range(32)]
-                 for i in range(4)]
-            for npair in range(hd // 16):
-                b = _ldmatrix(v, [x + kb * 16 * ls + npair * 16 for x in va], trans=True)
-                _mma_m16n8k16(o[2 * npair], a, b[0], b[1])
-                _mma_m16n8k16(o[2 * npair + 1], a, b[2], b[3])
-        for t in range(32):
-            gr, c = t // 4, 2 * (t % 4)
-            for nb in range(4):
-                np.testing.assert_allclose(s[nb][t], [S[gr, nb * 8 + c], S[gr, nb * 8 + c + 1],
-                                                      S[gr + 8, nb * 8 + c], S[gr + 8, nb * 8 + c + 1]], atol=1e-9)
-            for nb in range(hd // 8):
-                np.testing.assert_allclose(o[nb][t], [PV[gr, nb * 8 + c], PV[gr, nb * 8 + c + 1],
-                                                      PV[gr + 8, nb * 8 + c], PV[gr + 8, nb * 8 + c + 1]], atol=1e-9)
+    q = rng.standard_normal((16, hd))
+    k, v = (rng.standard_normal(64 * ls) for _ in range(2))
+    lanes = [dict(lm=ln >> 3, lr=ln & 7, ls=ls) for ln in range(32)]
+    ka, va = ([eval(expr[x], {}, env) for env in lanes] for x in ("ka", "va"))  # noqa: S307
+    s = np.zeros((8, 32, 4))
+    for c in range(hd // 16):
+        # lane t's pairs: x0 (gr, 16c + 2tq ..), x1 (gr + 8, ..), x2 and x3 eight columns on
+        a = [[(q[r, 16 * c + 2 * (t % 4) + d], q[r, 16 * c + 2 * (t % 4) + d + 1])
+              for t in range(32) for r in [t // 4 + 8 * (i % 2)]] for i in range(4) for d in [8 * (i // 2)]]
+        for p in range(4):
+            b = _ldmatrix(k, [x + p * 16 * ls + c * 16 for x in ka])
+            _mma_m16n8k16(s[2 * p], a, b[0], b[1])
+            _mma_m16n8k16(s[2 * p + 1], a, b[2], b[3])
+    S = q @ k.reshape(64, ls)[:, :hd].T
+    PV = S @ v.reshape(64, ls)[:, :hd]
+    o = np.zeros((hd // 8, 32, 4))
+    for kb in range(4):
+        a = [[(s[2 * kb + i // 2][t][2 * (i % 2)], s[2 * kb + i // 2][t][2 * (i % 2) + 1]) for t in range(32)]
+             for i in range(4)]
+        for npair in range(hd // 16):
+            b = _ldmatrix(v, [x + kb * 16 * ls + npair * 16 for x in va], trans=True)
+            _mma_m16n8k16(o[2 * npair], a, b[0], b[1])
+            _mma_m16n8k16(o[2 * npair + 1], a, b[2], b[3])
+    for t in range(32):
+        gr, c = t // 4, 2 * (t % 4)
+        for nb in range(8):
+            np.testing.assert_allclose(s[nb][t], [S[gr, nb * 8 + c], S[gr, nb * 8 + c + 1],
+                                                  S[gr + 8, nb * 8 + c], S[gr + 8, nb * 8 + c + 1]], atol=1e-9)
+        for nb in range(hd // 8):
+            np.testing.assert_allclose(o[nb][t], [PV[gr, nb * 8 + c], PV[gr, nb * 8 + c + 1],
+                                                  PV[gr + 8, nb * 8 + c], PV[gr + 8, nb * 8 + c + 1]], atol=1e-9)

@@ -73,7 +73,7 @@ def test_stores_round_to_nearest_even(heads, n, rng):
     ((12, 2, 80), 64, 70, 1),
 ])
 def test_f16_cache_prompt_attention_is_the_float32_cache_kernel(heads, pos0, n, bufs, rng):
-    """attn_prefill_f16 on an f16 cache (its tiles copied as they are) against the same
+    """attn_prefill_fa on an f16 cache (its tiles copied as they are) against the same
     kernel on a float32 cache holding the same rows (tiles converted in the block): the same
     bits, rows poisoned before the launch, the same bits again on a second launch."""
     import cupy as cp
@@ -88,8 +88,8 @@ def test_f16_cache_prompt_attention_is_the_float32_cache_kernel(heads, pos0, n, 
         B = _backend(hp, cache_type)
         B.attn_tile_buffers = bufs if cache_type == "f16" else min(bufs or 2, 2)
         info = B._device()
-        if kernel_for(hp, info["cc"], "f16", info["smem_per_block_optin"], cache_type) != "attn_prefill_f16":
-            pytest.skip("attn_prefill_f16 does not run here (tensor cores need sm_80)")
+        if not kernel_for(hp, info["cc"], "f16", info["smem_per_block_optin"], cache_type).startswith("attn_prefill_fa"):
+            pytest.skip("attn_prefill_fa does not run here (tensor cores need sm_80)")
         cache = B.new_cache(ctx)
         with B.context():
             cache.k[il].set(kc.astype(cache.k.dtype))
@@ -154,7 +154,7 @@ def test_f16_cache_matches_the_numpy_backend_with_one(parity_models, name):
 @pytest.mark.parametrize("grouped", [False, True])
 def test_f16_cache_decode_steps_match_prefill(parity_models, grouped):
     """Token by token (the decode kernels on the f16 cache, a captured graph, splits forced
-    so that the merge runs) against all at once (attn_prefill_f16 on it)."""
+    so that the merge runs) against all at once (attn_prefill_fa on it)."""
     import warnings
     fx = parity_models["q4_0"]
     toks = fx["tokens"][:48]
@@ -181,7 +181,7 @@ def test_bench_with_an_f16_cache(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("heads,pos0,n", [
-    ((6, 3, 36), 5, 40),          # a width of 4s, not of 16s: attn_prefill_f16 does not take it
+    ((6, 3, 36), 5, 40),          # a width of 4s, not of 16s: attn_prefill_fa does not take it
     ((64, 4, 128), 33, 19),       # 16 query heads a group (Qwen3-235B): neither does it
 ])
 def test_f16_cache_prompt_heads_no_kernel_takes(heads, pos0, n, rng):

@@ -9,7 +9,7 @@ from conftest import attention64 as _attention64
 from conftest import attn_hparams as _hp
 
 from moeforge.runtime.model import load_model
-from moeforge.runtime.prompt_attention import attention_tc, kernel_for
+from moeforge.runtime.prompt_attention import attention_tc, fa_kernel, kernel_for
 
 pytestmark = pytest.mark.gpu
 
@@ -22,15 +22,22 @@ CASES = [
 ]
 
 
-PRECISION = {"attn_prefill_f16": "f16", "attn_prefill_tc": "tf32", "attn_prefill": "f32"}
+PRECISION = {"attn_prefill_fa64": "f16", "attn_prefill_fa128": "f16", "attn_prefill_fa": "f16", "attn_prefill_tc": "tf32",
+             "attn_prefill": "f32"}
+
+
+def _f16(heads):
+    return fa_kernel(heads[2])
 
 
 @pytest.mark.parametrize("kernel,heads,pos0,n,bufs", [
-    (tc, *c, None) for tc in ("attn_prefill_f16", "attn_prefill_tc") for c in CASES] + [
-    (tc, (32, 4, 128), 301, 45, 1) for tc in ("attn_prefill_f16", "attn_prefill_tc")] + [  # one key tile buffer, as on an A100
-    (tc, (8, 8, 32), 70, 9, 1) for tc in ("attn_prefill_f16", "attn_prefill_tc")] + [
-    ("attn_prefill_f16", (6, 3, 48), 130, 33, None),  # a width of 16s, not of 32s: only f16
-    ("attn_prefill_f16", (12, 2, 80), 64, 70, 1),     # groups of 6, a 64-key boundary at the start
+    (tc(c[0]), *c, None) for tc in (_f16, lambda h: "attn_prefill_tc") for c in CASES] + [
+    (tc(h), h, 301, 45, 1) for h in ((32, 4, 128),) for tc in (_f16, lambda h: "attn_prefill_tc")] + [  # one key tile buffer, as on an A100
+    (tc(h), h, 70, 9, 1) for h in ((8, 8, 32),) for tc in (_f16, lambda h: "attn_prefill_tc")] + [
+    ("attn_prefill_fa", (6, 3, 48), 130, 33, None),     # a width of 16s, not of 32s: only f16; 4 token tiles a block
+    ("attn_prefill_fa", (12, 2, 80), 64, 70, 1),        # groups of 6 (6 warps a block), a 64-key boundary at the start
+    ("attn_prefill_fa64", (16, 16, 64), 200, 300, None),  # no grouping: 128 tokens a block, some tiles past the prompt
+    ("attn_prefill_fa128", (40, 8, 128), 0, 200, None),   # groups of 5: one token tile a block
 ] + [
     ("attn_prefill", *c, None) for c in CASES + [
         ((64, 4, 128), 33, 19),  # 16 query heads a group (Qwen3-235B): only the FMA kernel
@@ -84,6 +91,46 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n, bufs):
     median = np.median(err) / max(1.0, np.abs(emul).max())
     assert median < 1e-6, f"median error {median:.2e} (relative) against the emulation"
     assert err.max() < 2.0 ** -9 * np.abs(vc).max(), f"max abs error {err.max():.2e} against the emulation"
+    nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
+    assert nmse < 5e-4, f"NMSE {nmse:.2e} against float64"
+
+
+@pytest.mark.parametrize("precision,heads", [("f16", (64, 8, 64)), ("f16", (8, 2, 32)), ("f16", (32, 4, 128)),
+                                             ("tf32", (64, 8, 64))])
+@pytest.mark.parametrize("pos0,n,window", [(0, 150, 128), (700, 90, 128), (37, 64, 8), (300, 200, 0)])
+def test_tensor_core_prompt_attention_with_sinks_and_windows(precision, heads, pos0, n, window):
+    """gpt-oss's attention: a sink logit per head in each denominator and sliding windows
+    that start before the ubatch, inside it, and across 64-key tiles; against the emulation
+    (sinks and windows in float64 between the rounding points) and float64."""
+    import cupy as cp
+
+    from moeforge.runtime.backend_cuda import CudaBackend
+    hp = _hp(*heads)
+    B = CudaBackend(hp)
+    B.attn_precision = precision
+    rng = np.random.default_rng()
+    ctx = pos0 + n + 5
+    cache = B.new_cache(ctx)
+    kc = rng.standard_normal((ctx, hp.kv_dim)).astype(np.float32)
+    vc = rng.standard_normal((ctx, hp.kv_dim)).astype(np.float32)
+    q = (2.0 * rng.standard_normal((n, hp.q_dim))).astype(np.float32)
+    sinks = rng.uniform(-2.0, 4.0, hp.n_head).astype(np.float32)
+    pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+    with B.context():
+        cache.k[0].set(kc)
+        cache.v[0].set(vc)
+        B.ws("attn", (n, hp.q_dim)).fill(cp.nan)
+        args = (cache, 0, cp.asarray(q), cp.asarray(pos), pos0, n, "attn")
+        got = B.attention(*args, sinks=cp.asarray(sinks), window=window).get()
+        again = B.attention(*args, sinks=cp.asarray(sinks), window=window).get()
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, again)
+    emul = attention_tc(q, kc, vc, hp, pos0, precision, sinks=sinks, window=window)
+    err = np.abs(got - emul)
+    assert np.median(err) / max(1.0, np.abs(emul).max()) < 1e-6
+    assert err.max() < 2.0 ** -9 * np.abs(vc).max(), f"max abs error {err.max():.2e} against the emulation"
+    exact = _attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos, hp,
+                         sinks=sinks, window=window)
     nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
     assert nmse < 5e-4, f"NMSE {nmse:.2e} against float64"
 
