@@ -370,7 +370,8 @@ class CudaBackend(CudaMoeOps, Backend):
             args += (_i32(bufs),)
             smem = prompt_attention.smem_bytes(hp, kernel, bufs, self.cache_type)
         args += extra
-        self.kernel(kernel)((hp.n_head_kv, -(-n // prompt_attention.rows(hp, kernel))),
+        self.kernel(kernel)((hp.n_head_kv * prompt_attention.blocks_per_kv_head(hp, kernel),
+                             -(-n // prompt_attention.rows(hp, kernel))),
                             (prompt_attention.threads(hp, kernel),), args, smem=smem)
         return out
 

@@ -36,11 +36,21 @@ def splits_per_head(hp, n_ctx: int, sm_count: int) -> int:
 ELEMENT_BYTES = {c: np.dtype(t).itemsize for c, t in CACHE_TYPES.items()}   # a KV cache element
 
 
+def gqa_group(hp) -> int | None:
+    """The query heads a grouped block takes: the key head's group where a variant is built
+    for it, a share of GQA_GROUPS[-1] of a group of a multiple of that (Qwen3-235B's 16: two
+    blocks a key head, each reading its rows), else None."""
+    g = hp.n_head // hp.n_head_kv
+    if g in GQA_GROUPS:
+        return g
+    return GQA_GROUPS[-1] if g % GQA_GROUPS[-1] == 0 else None
+
+
 def can_group(hp, cache: str = "f32") -> bool:
-    """Whether the grouped decode attention (a block per key head) takes these heads: its
-    rows are copied in 16-byte pieces, so widths are multiples of 4 (float32 cache) or 8
-    (f16)."""
-    return (hp.n_head // hp.n_head_kv in GQA_GROUPS and hp.head_dim <= 128
+    """Whether the grouped decode attention (a block per key head or share of its group)
+    takes these heads: its rows are copied in 16-byte pieces, so widths are multiples of 4
+    (float32 cache) or 8 (f16)."""
+    return (gqa_group(hp) is not None and hp.head_dim <= 128
             and hp.head_dim % (16 // ELEMENT_BYTES[cache]) == 0)
 
 
@@ -57,7 +67,7 @@ def ring(hp, smem_limit: int, stages: int | None = None, cache: str = "f32") -> 
     head_dim * 4 bytes), so it is never smaller than those (two float32 buffers always
     hold them, f16 ones may need four). stages: fewer than fit, forced (tests); raised to
     what holds the sums."""
-    g, hd, eb = hp.n_head // hp.n_head_kv, hp.head_dim, ELEMENT_BYTES[cache]
+    g, hd, eb = gqa_group(hp), hp.head_dim, ELEMENT_BYTES[cache]
     width = _gqa_width(hd)
     static = 4 * (g * width + GQA_CHUNK * g + (GQA_THREADS // 32) * g * GQA_CHUNK + 3 * g) + 64
     chunk = eb * GQA_CHUNK * (2 * hd + 16 // eb)
@@ -77,13 +87,16 @@ def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None
     per key head), else a block per query head. splits: forced blocks per head (None: one
     wave, at most the cache's chunks)."""
     if grouped and not can_group(hp, cache):
-        raise ValueError(f"grouped decode attention takes groups of {GQA_GROUPS} query heads and heads of up to "
+        raise ValueError(f"grouped decode attention takes groups of {GQA_GROUPS} query heads (or multiples of "
+                         f"{GQA_GROUPS[-1]}) and heads of up to "
                          f"128 (multiples of {16 // ELEMENT_BYTES[cache]} with a {cache} cache); this model has "
                          f"{hp.n_head // hp.n_head_kv} and {hp.head_dim}")
     if grouped:
-        splits = min(splits, GQA_SPLIT_CAP) if splits else max(1, min(sm_count // hp.n_head_kv, GQA_MAX_SPLITS,
+        g = gqa_group(hp)
+        blocks = hp.n_head // g
+        splits = min(splits, GQA_SPLIT_CAP) if splits else max(1, min(sm_count // blocks, GQA_MAX_SPLITS,
                                                                       -(-n_ctx // GQA_CHUNK)))
-        return f"attn_decode_gqa_g{hp.n_head // hp.n_head_kv}h{_gqa_width(hp.head_dim)}", hp.n_head_kv, GQA_THREADS, splits
+        return f"attn_decode_gqa_g{g}h{_gqa_width(hp.head_dim)}", blocks, GQA_THREADS, splits
     splits = splits or splits_per_head(hp, n_ctx, sm_count)
     return ModelSpec.decode_kernel(hp.head_dim), hp.n_head, ATTN_DECODE_THREADS, splits
 

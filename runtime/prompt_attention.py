@@ -49,8 +49,9 @@ def check_precision(precision: str) -> str:
 
 def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = None, cache: str = "f32") -> str | None:
     """The prompt attention kernel for these heads at this precision, None where none takes
-    them (cuBLAS then, eagerly). The tensor-core kernels (sm_80+): query heads in groups of
-    up to 8, head widths up to 128, multiples of 16 (f16) or 32 (tf32). attn_prefill (float32
+    them (cuBLAS then, eagerly). The tensor-core kernels (sm_80+): head widths up to 128,
+    multiples of 16 (f16) or 32 (tf32); attn_prefill_tc query heads in groups of up to 8,
+    attn_prefill_fa groups of any size (in blocks of up to 8 of their heads). attn_prefill (float32
     FMA, also where a tensor-core one cannot run): groups of up to 16, widths multiples of 4
     up to 128, a float32 cache. smem_limit: a block's shared memory on the card (none: any
     fits). cache: the KV cache's type ("f16" takes precision "f16")."""
@@ -61,19 +62,31 @@ def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = Non
     fits = lambda kernel: smem_limit is None or smem_bytes(hp, kernel, bufs=1, cache=cache) <= smem_limit  # noqa: E731
     kernel = {"f16": fa_kernel(hd), "tf32": "attn_prefill_tc"}.get(precision)
     width = 16 if precision == "f16" else 32
-    if kernel and int(cc.split(".")[0]) >= 8 and g <= 8 and hd % width == 0 and fits(kernel):
+    if kernel and int(cc.split(".")[0]) >= 8 and (g <= 8 or precision == "f16") and hd % width == 0 and fits(kernel):
         return kernel
     if cache != "f32":
         return None
     return "attn_prefill" if g <= 16 and hd % 4 == 0 and fits("attn_prefill") else None
 
 
+def fa_heads(hp) -> int:
+    """attn_prefill_fa's query heads a block: the largest divisor of the group up to 8 (the
+    kernel works it out the same way)."""
+    g = hp.n_head // hp.n_head_kv
+    return max(d for d in range(1, min(g, FA_WARPS) + 1) if g % d == 0)
+
+
 def rows(hp, kernel: str) -> int:
-    """Query tokens a block: attn_prefill_fa 16 a warp, its 8 warps over the group's heads
-    first (8 // g token tiles of 16)."""
+    """Query tokens a block: attn_prefill_fa 16 a warp, its 8 warps over the block's heads
+    first (8 // fa_heads token tiles of 16)."""
     if kernel.startswith("attn_prefill_fa"):
-        return 16 * (FA_WARPS // (hp.n_head // hp.n_head_kv))
+        return 16 * (FA_WARPS // fa_heads(hp))
     return ROWS[kernel]
+
+
+def blocks_per_kv_head(hp, kernel: str) -> int:
+    """attn_prefill_fa: the group's heads in blocks of fa_heads; the others: one."""
+    return hp.n_head // hp.n_head_kv // fa_heads(hp) if kernel.startswith("attn_prefill_fa") else 1
 
 
 def threads(hp, kernel: str) -> int:
@@ -82,7 +95,8 @@ def threads(hp, kernel: str) -> int:
     the group (two per head of up to 8; those past the group only copy key tiles)."""
     g = hp.n_head // hp.n_head_kv
     if kernel.startswith("attn_prefill_fa"):
-        return 32 * g * (FA_WARPS // g)
+        hb = fa_heads(hp)
+        return 32 * hb * (FA_WARPS // hb)
     return 32 * g if kernel == "attn_prefill" else 512
 
 

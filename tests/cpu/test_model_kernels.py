@@ -94,6 +94,9 @@ def test_decode_attention_plan_per_query_head_or_per_key_head():
     assert decode_attn_plan(qwen, 8192, 132, True, splits=3)[3] == 3
     assert decode_attn_plan(attn_hparams(4, 2, 32), 256, 132, True)[0] == "attn_decode_gqa_g2h64"
     assert decode_attn_plan(attn_hparams(6, 3, 80), 256, 132, True)[0] == "attn_decode_gqa_g2h128"
+    # groups of 16 (Qwen3-235B): blocks of 8 of them, two a key head, each its own splits
+    assert decode_attn_plan(attn_hparams(64, 4, 128), 8192, 132, True) == ("attn_decode_gqa_g8h128", 8, 256, 16)
+    assert decode_attn_plan(attn_hparams(32, 1, 64), 8192, 132, True) == ("attn_decode_gqa_g8h64", 4, 256, 32)
     for heads in ((8, 8, 32), (48, 4, 128), (4, 1, 256), (12, 4, 64)):    # groups of 1, 12, 4 (256 wide), 3
         assert not can_group(attn_hparams(*heads))
         with pytest.raises(ValueError, match="grouped decode attention takes"):

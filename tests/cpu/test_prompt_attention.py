@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from moeforge.runtime.arch_qwen3moe import HParams
-from moeforge.runtime.prompt_attention import (ROUNDING, attention_tc, check_precision, f16, kernel_for,
+from moeforge.runtime.prompt_attention import (ROUNDING, attention_tc, blocks_per_kv_head, check_precision, f16,
+                                              kernel_for,
                                               rows, smem_bytes, tf32, tf32_truncated, threads, tile_buffers)
 
 
@@ -34,12 +35,14 @@ def test_an_unknown_precision_is_refused():
 
 
 def test_heads_past_the_tensor_core_kernel_fall_back():
-    assert kernel_for(_hp(64, 4, 128), "9.0") == "attn_prefill"         # 16 heads a group
+    assert kernel_for(_hp(64, 4, 128), "9.0") == "attn_prefill_fa128"   # 16 heads a group (Qwen3-235B) ...
+    assert kernel_for(_hp(64, 4, 128), "9.0", "tf32") == "attn_prefill" # ... only the f16 kernel takes
     assert kernel_for(_hp(6, 3, 36), "9.0") == "attn_prefill"           # width not a multiple of 16
     assert kernel_for(_hp(6, 3, 48), "9.0") == "attn_prefill_fa"        # a multiple of 16 ...
     assert kernel_for(_hp(6, 3, 48), "9.0", "tf32") == "attn_prefill"   # ... not of 32
     assert kernel_for(_hp(8, 8, 256), "9.0") is None                    # wider than 128: cuBLAS
-    assert kernel_for(_hp(34, 1, 64), "9.0") is None                    # 34 heads a group
+    assert kernel_for(_hp(34, 1, 64), "9.0", "tf32") is None            # 34 heads a group
+    assert kernel_for(_hp(34, 1, 64), "9.0") == "attn_prefill_fa64"
     assert kernel_for(_hp(4, 2, 30), "9.0") is None                     # not a multiple of 4
     assert kernel_for(_hp(6, 4, 64), "9.0") is None                     # groups of unequal size
 
@@ -50,11 +53,14 @@ def test_block_sizes():
         assert threads(_hp(*heads), "attn_prefill_tc") == 512
         assert rows(_hp(*heads), "attn_prefill_tc") == 16
     # attn_prefill_fa: a warp per head and 16 tokens, as many token tiles as 8 warps hold
-    for heads, warps, tokens in (((32, 4, 128), 8, 16), ((16, 4, 64), 8, 32), ((8, 8, 32), 8, 128),
-                                 ((12, 2, 80), 6, 16), ((40, 8, 128), 5, 16), ((6, 3, 48), 8, 64)):
+    # (of up to 8 of the group's heads: the largest divisor of the group)
+    for heads, warps, tokens, blocks in (((32, 4, 128), 8, 16, 1), ((16, 4, 64), 8, 32, 1), ((8, 8, 32), 8, 128, 1),
+                                         ((12, 2, 80), 6, 16, 1), ((40, 8, 128), 5, 16, 1), ((6, 3, 48), 8, 64, 1),
+                                         ((64, 4, 128), 8, 16, 2), ((34, 1, 64), 8, 64, 17), ((24, 2, 64), 6, 16, 2)):
         kernel = kernel_for(_hp(*heads), "9.0")
         assert kernel.startswith("attn_prefill_fa")
-        assert (threads(_hp(*heads), kernel), rows(_hp(*heads), kernel)) == (32 * warps, tokens), heads
+        got = threads(_hp(*heads), kernel), rows(_hp(*heads), kernel), blocks_per_kv_head(_hp(*heads), kernel)
+        assert got == (32 * warps, tokens, blocks), heads
     assert threads(_hp(32, 4, 128), "attn_prefill") == 256
     assert threads(_hp(16, 4, 64), "attn_prefill") == 128
     assert threads(_hp(64, 4, 128), "attn_prefill") == 512

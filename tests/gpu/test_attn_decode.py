@@ -20,6 +20,7 @@ HEADS = [
     (16, 2, 64),
     (6, 3, 80),      # the 128 variant with a partly filled second pair slot
     (4, 1, 256),     # the widest variant: 3 positions a warp in a chunk (48 a block)
+    (64, 4, 128),    # Qwen3-235B-A22B: groups of 16, grouped in two blocks of 8 a key head
 ]
 # 1 and 2: most warps without a position; 128/129: the 64 and 128 variants' first chunk
 # (before the wait) full and one past it; 700: more chunks than splits (each split's
@@ -95,7 +96,8 @@ def test_attn_decode_matches_float64(heads, grouped, n_kv, splits, rng):
     _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, ModelSpec.decode_kernel(hp.head_dim))
 
 
-@pytest.mark.parametrize("heads,grouped", [((64, 8, 64), False), ((64, 8, 64), True), ((16, 4, 128), True)])
+@pytest.mark.parametrize("heads,grouped", [((64, 8, 64), False), ((64, 8, 64), True), ((16, 4, 128), True),
+                                           ((32, 2, 64), True)])
 @pytest.mark.parametrize("n_kv,window,splits", [
     (1, 0, None), (700, 0, None), (700, 0, 3), (2000, 0, None), (2000, 0, 40),
     (100, 128, None), (129, 128, None), (700, 128, None), (700, 128, 3), (2001, 128, 2), (2001, 100, None)])
@@ -150,7 +152,8 @@ def test_grouped_ring_wraps_and_the_merge_goes_in_batches(heads, stages, n_kv, s
 
 @pytest.mark.parametrize("n_kv", [1, 37, 129, 700, 4 * ATTN_DECODE_CHUNK + 1])
 @pytest.mark.parametrize("heads,grouped,cache_type", [
-    (h, g, c) for c in ("f32", "f16") for h in [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32), (16, 4, 128)]
+    (h, g, c) for c in ("f32", "f16") for h in [(32, 4, 128), (6, 3, 80), (4, 2, 256), (8, 8, 32), (16, 4, 128),
+                                                (64, 4, 128)]
     for g in _grouped(h, c)])
 def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, grouped, cache_type, n_kv, rng):
     """Fused (q, k and v straight from the projections): the output and the whole cache,

@@ -182,7 +182,7 @@ def test_bench_with_an_f16_cache(tmp_path, capsys):
 
 @pytest.mark.parametrize("heads,pos0,n", [
     ((6, 3, 36), 5, 40),          # a width of 4s, not of 16s: attn_prefill_fa does not take it
-    ((64, 4, 128), 33, 19),       # 16 query heads a group (Qwen3-235B): neither does it
+    ((8, 4, 256), 33, 19),        # wider than 128: neither does it
 ])
 def test_f16_cache_prompt_heads_no_kernel_takes(heads, pos0, n, rng):
     """Where no prompt attention kernel is built for an f16 cache (the FMA one reads float32

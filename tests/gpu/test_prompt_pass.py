@@ -38,9 +38,12 @@ def _f16(heads):
     ("attn_prefill_fa", (12, 2, 80), 64, 70, 1),        # groups of 6 (6 warps a block), a 64-key boundary at the start
     ("attn_prefill_fa64", (16, 16, 64), 200, 300, None),  # no grouping: 128 tokens a block, some tiles past the prompt
     ("attn_prefill_fa128", (40, 8, 128), 0, 200, None),   # groups of 5: one token tile a block
+    ("attn_prefill_fa128", (64, 4, 128), 33, 19, None),   # groups of 16 (Qwen3-235B): two blocks a key head
+    ("attn_prefill_fa128", (64, 4, 128), 900, 130, 1),
+    ("attn_prefill_fa", (24, 2, 48), 100, 70, None),      # groups of 12: blocks of 6 heads
 ] + [
     ("attn_prefill", *c, None) for c in CASES + [
-        ((64, 4, 128), 33, 19),  # 16 query heads a group (Qwen3-235B): only the FMA kernel
+        ((64, 4, 128), 33, 19),  # 16 query heads a group (Qwen3-235B) at float32
         ((6, 3, 36), 5, 40),     # head width a multiple of 4, not of 32
     ]])
 def test_attn_prefill_matches_its_references(kernel, heads, pos0, n, bufs):
@@ -96,7 +99,7 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n, bufs):
 
 
 @pytest.mark.parametrize("precision,heads", [("f16", (64, 8, 64)), ("f16", (8, 2, 32)), ("f16", (32, 4, 128)),
-                                             ("tf32", (64, 8, 64))])
+                                             ("f16", (64, 4, 64)), ("tf32", (64, 8, 64))])
 @pytest.mark.parametrize("pos0,n,window", [(0, 150, 128), (700, 90, 128), (37, 64, 8), (300, 200, 0)])
 def test_tensor_core_prompt_attention_with_sinks_and_windows(precision, heads, pos0, n, window):
     """gpt-oss's attention: a sink logit per head in each denominator and sliding windows
