@@ -77,7 +77,7 @@ class Model:
             del self._held[keep:]
         else:
             self.reset(ids.size + extra)
-        return self.eval(ids[keep:], last_only=True)[-1]
+        return self.eval(ids[keep:], last_only=True, reuse=True)[-1]
 
     def _check_tokens(self, ids) -> np.ndarray:
         ids = np.asarray(ids)
@@ -87,10 +87,12 @@ class Model:
             raise ValueError(f"token ids must be in [0, {self.hp.n_vocab}), got [{ids.min()}, {ids.max()}]")
         return ids.astype(np.int32)
 
-    def eval(self, token_ids, *, want_logits: bool = True, last_only: bool = False):
+    def eval(self, token_ids, *, want_logits: bool = True, last_only: bool = False, reuse: bool = False):
         """Append tokens to the context (in ubatches); float32 logits (n, n_vocab) on the
         host, those of the last token only (1, n_vocab), or None where want_logits is False
-        (the benchmarks: then only the last token's logits are computed, as llama.cpp does)."""
+        (the benchmarks: then only the last token's logits are computed, as llama.cpp does).
+        reuse (with last_only): the row may sit in a buffer the next call overwrites
+        (generation reads it once; it saves a fresh host array a token)."""
         ids = self._check_tokens(token_ids)
         if self.n_past + ids.size > self.cache.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {ids.size} tokens > n_ctx {self.cache.n_ctx}")
@@ -99,6 +101,8 @@ class Model:
             for lo in range(0, ids.size, self.n_ubatch):
                 final = lo + self.n_ubatch >= ids.size
                 out = self._step(ids[lo:lo + self.n_ubatch], last_only=last_only or not want_logits)
+                if want_logits and final and last_only and reuse:
+                    return self.backend.to_host_reused(out)[-1:]
                 if want_logits and (final or not last_only):
                     outs.append(self.backend.to_host(out))
         if not want_logits:
@@ -160,7 +164,7 @@ class Model:
                 break
             if len(out) == n:
                 break
-            last = self.eval([tok])[-1]
+            last = self.eval([tok], last_only=True, reuse=True)[-1]
         return out
 
     @property

@@ -55,13 +55,15 @@ class Sampling:
 def penalize(logits: np.ndarray, recent, penalty: float, frequency: float = 0.0, presence: float = 0.0) -> np.ndarray:
     """llama.cpp's penalties: each distinct recent token's logit divided by the repetition
     penalty where positive, multiplied where not (once, however often it occurred), then
-    less frequency * its count + presence. A copy, float32 as the logits come."""
+    less frequency * its count + presence. A float32 copy where anything changes; where
+    nothing does, the logits as they are (no copy of a 152k row a token)."""
+    if not (len(recent) and (penalty != 1.0 or frequency or presence)):
+        return np.asarray(logits, dtype=np.float32)
     out = np.array(logits, dtype=np.float32)
-    if len(recent) and (penalty != 1.0 or frequency or presence):
-        ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
-        v = out[ids]
-        v = np.where(v > 0, v / penalty, v * penalty)
-        out[ids] = v - (frequency * counts + presence)
+    ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+    v = out[ids]
+    v = np.where(v > 0, v / penalty, v * penalty)
+    out[ids] = v - (frequency * counts + presence)
     return out
 
 

@@ -20,6 +20,19 @@ def test_greedy_is_the_argmax_after_the_penalty(rng):
     assert Sampler(Sampling(repeat_penalty=2.0))(z, history=[a]) == b     # 3.0 / 2 < 2.5
 
 
+def test_the_sampler_never_writes_the_row_it_is_given(rng):
+    """Generation hands the sampler a row in a buffer it reuses (Model.eval(reuse=True)):
+    penalties and biases work on a copy; with none, no copy is made at all."""
+    z = rng.standard_normal(5000).astype(np.float32)
+    before = z.copy()
+    for s in (Sampling(), Sampling(temperature=0.9, seed=1), Sampling(repeat_penalty=1.3, frequency_penalty=0.5),
+              Sampling(temperature=0.9, seed=1, logit_bias=((3, 50.0),), presence_penalty=1.0)):
+        Sampler(s)(z, history=[1, 2, 3, 2])
+        np.testing.assert_array_equal(z, before)
+    assert penalize(z, [1, 2], 1.0) is z
+    assert penalize(z, [1, 2], 1.1) is not z
+
+
 def test_penalty_is_llama_cpps_once_per_distinct_token():
     z = np.array([2.0, -2.0, 1.0, 0.0])
     got = penalize(z, [0, 1, 0, 0, 3], 1.25)

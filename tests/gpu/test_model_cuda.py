@@ -132,6 +132,29 @@ def test_generate_matches_numpy(parity_models):
         load_model(fx["path"], backend="numpy", numerics="kernel").generate(prompt, 12)
 
 
+def test_generation_reads_each_row_from_the_reused_buffer(parity_models):
+    """generate takes each step's logits from one page-locked buffer that the next step
+    overwrites: the same tokens as a loop over eval's own arrays, greedy and sampled (with
+    the penalties, which copy the row first)."""
+    from moeforge.runtime.sampling import Sampler, Sampling
+    fx = parity_models["q4_0"]
+    m = load_model(fx["path"], backend="cuda")
+    prompt = [int(t) for t in fx["tokens"][:20]]
+    for s in (Sampling(), Sampling(temperature=0.8, seed=7), Sampling(temperature=0.8, seed=7, repeat_penalty=1.1)):
+        m.reset()
+        got = m.generate(prompt, 16, s)
+        m.reset()
+        choose, history, want = Sampler(s), list(prompt), []
+        last = m.eval(prompt, last_only=True)[-1]
+        for _ in range(16):
+            t = choose(last, history)
+            want.append(t)
+            history.append(t)
+            last = m.eval([t])[-1]
+        assert got == want, s
+    assert m.backend._pinned is not None
+
+
 def test_separate_gate_up_on_gpu(parity_models):
     fx = parity_models["q4_0"]
     a = load_model(fx["path"], backend="cuda", merge_gate_up=True).logits(fx["tokens"][:32])
