@@ -6,9 +6,10 @@ attention weights are quantized: their q8_1 activations already cost more than f
 it is the precision of llama.cpp's flash attention and f16 KV cache), "tf32" (float32's
 range, 10-bit mantissas) or "f32" (the default of float models). Kernels
 (templates/attn_prefill*.cuh.j2):
-- attn_prefill_fa64, attn_prefill_fa128 (heads up to that wide): q (scaled by scale *
-  log2 e in float32), keys, values and the probabilities rounded to f16 (nearest even);
-  sums float32; one online softmax a row over steps of 64 keys.
+- attn_prefill_fa64, attn_prefill_fa128 (heads of exactly that width) and attn_prefill_fa
+  (any multiple of 16 up to 128): q (scaled by scale * log2 e in float32), keys, values and
+  the probabilities rounded to f16 (nearest even); sums float32; one online softmax a row
+  over steps of 64 keys.
 - attn_prefill_tc: q and the probabilities rounded to tf32 (ties away), keys and values
   truncated to it (the tensor cores read their float32 as it is); sums float32; each 64-key
   tile in two halves of 32 with a softmax each, merged at the end.
@@ -38,7 +39,7 @@ def fa_kernel(head_dim: int) -> str:
 
 
 def tensor_core(kernel: str | None) -> bool:
-    return kernel is not None and (kernel == "attn_prefill_tc" or kernel.startswith("attn_prefill_f"))
+    return kernel is not None and (kernel == "attn_prefill_tc" or kernel.startswith("attn_prefill_fa"))
 
 
 def check_precision(precision: str) -> str:
