@@ -108,14 +108,14 @@ def smem_bytes(hp, kernel: str, bufs: int = 2, cache: str = "f32") -> int:
     value tiles (f16) and `bufs` staging tiles of keys and values (float32), or with an f16
     cache `bufs` key and value tiles (f16). (attn_prefill_fa's q lives in registers.)"""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
-    rows = ROWS.get(kernel, 0)
+    tokens = ROWS.get(kernel, 0)
     if kernel.startswith("attn_prefill_fa"):
         if cache == "f16":
             return 2 * 2 * bufs * KEYS * (hd + 8)
         return 2 * 2 * 2 * KEYS * (hd + 8) + 4 * 2 * bufs * KEYS * hd
     if kernel == "attn_prefill_tc":
-        return 4 * (g * rows * (hd + 4) + bufs * KEYS * (hd + 4) + bufs * KEYS * (hd + 8))
-    return 4 * (g * rows * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * rows * 32)
+        return 4 * (g * tokens * (hd + 4) + bufs * KEYS * (hd + 4) + bufs * KEYS * (hd + 8))
+    return 4 * (g * tokens * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * tokens * 32)
 
 
 def tile_buffers(hp, smem_limit: int, kernel: str, cache: str = "f32") -> int:

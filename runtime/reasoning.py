@@ -153,9 +153,3 @@ def _recipient(header: str) -> str | None:
         return None
     return name[0].removeprefix("functions.")
 
-
-def split(fmt: str, text: str, prompt_tail: str = "") -> tuple[str, str]:
-    """(reasoning, content) of a whole reply."""
-    s = ReasoningSplit(fmt, prompt_tail)
-    parts = s.add(text) + s.flush()
-    return ("".join(p for k, p in parts if k == "reasoning"), "".join(p for k, p in parts if k == "content"))

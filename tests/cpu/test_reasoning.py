@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 from conftest import fed_in_pieces
 
-from moeforge.runtime.reasoning import ReasoningSplit, format_of, split
+from moeforge.runtime.reasoning import ReasoningSplit, format_of
+from moeforge.runtime.tool_calls import whole
+
+
+def split(fmt, text, tail=""):
+    """(reasoning, content) of a whole reply, as the server reads one without tools."""
+    return whole(fmt, None, text, tail)[:2]
 
 HARMONY = ("<|channel|>analysis<|message|>Weigh it: 2 + 2 is 4, not <|e 5.<|end|>"
            "<|start|>assistant<|channel|>final<|message|>It is 4.")
