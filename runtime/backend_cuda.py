@@ -58,6 +58,7 @@ class CudaBackend(CudaMoeOps, Backend):
         self._decode_attn_splits = None
         self._decode_attn_grouped = None
         self._decode_attn_stages = None
+        self._decode_attn_tc = None
         self._decoding = False       # inside decode_step: model kernels launch with PDL
         self.fuse_norm_q8 = True     # at decode the norms and attention also write q8_1 of their output
         self._q8 = None              # (output pointer, xq, xds, nbp) of the last such norm
@@ -80,7 +81,27 @@ class CudaBackend(CudaMoeOps, Backend):
         if self.decode_attn_grouped is not None:
             return self.decode_attn_grouped
         dev = self._device()
-        return decode_attention.grouped_at(self.hp, pos0, dev["sm_count"], dev["smem_per_block_optin"], self.cache_type)
+        return decode_attention.grouped_at(self.hp, pos0, dev["sm_count"], dev["smem_per_block_optin"], self.cache_type,
+                                           self._decode_tc())
+
+    def _decode_tc(self) -> bool:
+        """Grouped decode attention on tensor cores: at f16 precision on sm_80+, where the
+        kernel takes the heads (decode_attn_tc forces it either way)."""
+        if self.decode_attn_tc is not None:
+            return self.decode_attn_tc
+        return (self.attn_precision == "f16" and int(self._device()["cc"].split(".")[0]) >= 8
+                and decode_attention.can_tc(self.hp))
+
+    @property
+    def decode_attn_tc(self) -> bool | None:
+        """The grouped decode attention on tensor cores (True), in float32 FMA (False) or None
+        (tensor cores at f16 precision: _decode_tc). Setting it drops captured graphs."""
+        return self._decode_attn_tc
+
+    @decode_attn_tc.setter
+    def decode_attn_tc(self, tc: bool | None) -> None:
+        self._decode_attn_tc = tc
+        self.generation += 1
 
     @property
     def decode_attn_grouped(self) -> bool | None:
@@ -339,7 +360,8 @@ class CudaBackend(CudaMoeOps, Backend):
             # a sliding window's layers attend to at most `window` positions
             grouped = self._decode_grouped(min(pos0, window - 1) if window else pos0)
             kernel, heads, threads, splits = decode_attention.plan(hp, cache.n_ctx, self._device()["sm_count"],
-                                                                   grouped, self.decode_attn_splits, self.cache_type)
+                                                                   grouped, self.decode_attn_splits, self.cache_type,
+                                                                   grouped and self._decode_tc())
             part = self.ws("attn_part", (hp.n_head * splits * (hp.head_dim + 2),))
             if self._attn_counts is None or self._attn_counts.size < hp.n_head:
                 # zero once: the last block of each head resets its counter after use
@@ -348,7 +370,10 @@ class CudaBackend(CudaMoeOps, Backend):
                     _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused,
                     part, self._attn_counts, _i32(splits))
             smem = 0
-            if kernel.startswith("attn_decode_gqa"):
+            if kernel.startswith("attn_decode_gqa_tc"):
+                smem = decode_attention.tc_smem(hp, self._device()["smem_per_block_optin"])
+                args += (_i32(0),)                    # stages: the tensor-core kernel has no ring
+            elif kernel.startswith("attn_decode_gqa"):
                 stages, smem = decode_attention.ring(hp, self._device()["smem_per_block_optin"],
                                                      self.decode_attn_stages, self.cache_type)
                 args += (_i32(stages),)

@@ -2,12 +2,15 @@
 blocks per head. A block per query head (attn_decode_h64/128/256) or, for long contexts, a
 block per key head taking its group of query heads (attn_decode_gqa_g*h*: the key and value
 rows read once per key head); either split over several blocks per head (flash-decoding)
-once the cache is long. The backend launches the plan (backend_cuda.attention)."""
+once the cache is long; at f16 precision (attn_precision="f16", sm_80+) the grouped
+blocks run on tensor cores (attn_decode_gqa_tc_g*h*: emulate_tc is their arithmetic). The
+backend launches the plan (backend_cuda.attention)."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..codegen.spec import ModelSpec
+from . import prompt_attention
 from .backend import CACHE_TYPES
 
 ATTN_DECODE_THREADS = 512   # attn_decode.cuh.j2's ATTN_THREADS
@@ -24,6 +27,9 @@ GQA_MAX_STAGES = 8              # chunk buffers of the ring (its waits take up t
 # (4 splits) even at 2048, gpt-oss-20b (64 heads: 2 splits) even at 512 and grouped 2% faster
 # at 1024, 6% at 2048, 57% at 16384 (scratch probe, 2026-11-28).
 GQA_MIN_KV_PER_BLOCK = 512
+TC_GROUPS, TC_TILE, TC_OS_PAD = (2, 4, 8), 16, 2   # attn_decode_gqa_tc: its variants, positions a tile, O row pad
+TC_WARPS = GQA_THREADS // 32   # attn_decode_gqa_tc: a split takes at least a tile a warp
+TC_STATIC = 16 * 1024           # attn_decode_gqa_tc's static shared memory, rounded up (~14 KB)
 
 
 def splits_per_head(hp, n_ctx: int, sm_count: int) -> int:
@@ -54,6 +60,32 @@ def can_group(hp, cache: str = "f32") -> bool:
             and hp.head_dim % (16 // ELEMENT_BYTES[cache]) == 0)
 
 
+def tc_group(hp) -> int | None:
+    """The query heads a tensor-core grouped block takes: the largest of TC_GROUPS that
+    divides the group (the whole group up to 8; Qwen3-235B's 16 in two blocks), else None."""
+    g = hp.n_head // hp.n_head_kv
+    return max((d for d in TC_GROUPS if g % d == 0), default=None)
+
+
+def can_tc(hp) -> bool:
+    """Whether the tensor-core grouped kernel takes these heads: a lane loads 8 dimensions of
+    a key row at a time and W/8 of a value row, so widths are multiples of 16 up to 128."""
+    return tc_group(hp) is not None and hp.head_dim <= 128 and hp.head_dim % 16 == 0
+
+
+def tc_smem(hp, smem_limit: int | None = None) -> int:
+    """attn_decode_gqa_tc's dynamic shared memory: at least its warps' O rows, [8][G][W + 2]
+    floats; given a block's shared memory on the card, as much more as holds the records of
+    a full wave of splits (G (head_dim + 2) floats each), less TC_STATIC for the kernel's
+    own arrays: the last block merges them in one batch (32 splits of 8 heads of 128: 133 KB)."""
+    g = tc_group(hp)
+    least = 4 * (GQA_THREADS // 32) * g * (_gqa_width(hp.head_dim) + TC_OS_PAD)
+    if smem_limit is None:
+        return least
+    records = 4 * GQA_MAX_SPLITS * g * (hp.head_dim + 2)
+    return max(least, min(records, (smem_limit - TC_STATIC) // 16 * 16))
+
+
 def _gqa_width(head_dim: int) -> int:
     """The grouped kernel's variant width for heads of head_dim (up to 128)."""
     return 64 if head_dim <= 64 else 128
@@ -81,11 +113,21 @@ def ring(hp, smem_limit: int, stages: int | None = None, cache: str = "f32") -> 
 
 
 def plan(hp, n_ctx: int, sm_count: int, grouped: bool, splits: int | None = None,
-         cache: str = "f32") -> tuple[str, int, int, int]:
+         cache: str = "f32", tc: bool = False) -> tuple[str, int, int, int]:
     """(kernel, blocks of heads, threads, splits) of decode attention for a cache of n_ctx.
     grouped: a block per key head and its query heads (attn_decode_gqa: the rows read once
-    per key head), else a block per query head. splits: forced blocks per head (None: one
-    wave, at most the cache's chunks)."""
+    per key head; tc: on tensor cores), else a block per query head. splits: forced blocks
+    per head (None: one wave, at most the cache's chunks)."""
+    if grouped and tc:
+        if not can_tc(hp):
+            raise ValueError(f"tensor-core decode attention takes groups of a multiple of 2 query heads and "
+                             f"heads of up to 128, multiples of 16; this model has "
+                             f"{hp.n_head // hp.n_head_kv} and {hp.head_dim}")
+        g = tc_group(hp)
+        blocks = hp.n_head // g
+        splits = min(splits, GQA_SPLIT_CAP) if splits else max(1, min(sm_count // blocks, GQA_MAX_SPLITS,
+                                                                      -(-n_ctx // (TC_TILE * TC_WARPS))))
+        return f"attn_decode_gqa_tc_g{g}h{_gqa_width(hp.head_dim)}", blocks, GQA_THREADS, splits
     if grouped and not can_group(hp, cache):
         raise ValueError(f"grouped decode attention takes groups of {GQA_GROUPS} query heads (or multiples of "
                          f"{GQA_GROUPS[-1]}) and heads of up to "
@@ -108,16 +150,32 @@ def grouped_min_kv(hp, sm_count: int) -> int:
     return GQA_MIN_KV_PER_BLOCK * max(1, sm_count // hp.n_head)
 
 
-def grouped_at(hp, pos0: int, sm_count: int, smem_limit: int | None = None, cache: str = "f32") -> bool:
+def grouped_at(hp, pos0: int, sm_count: int, smem_limit: int | None = None, cache: str = "f32",
+               tc: bool = False) -> bool:
     """The step at position pos0 (known on the host: the backend captures a graph per
-    choice) takes the grouped kernel: from grouped_min_kv positions, where it has a variant
-    for the heads and, given a block's shared memory on the card, where its ring's least
-    buffers fit (else the per-head kernel, which needs no more than 17 KB)."""
-    if not (can_group(hp, cache) and pos0 + 1 >= grouped_min_kv(hp, sm_count)):
+    choice) takes the grouped kernel (tc: the tensor-core one): from grouped_min_kv
+    positions, where it has a variant for the heads and, given a block's shared memory on
+    the card, where its buffers fit (else the per-head kernel, which needs no more than 17 KB)."""
+    if not ((can_tc(hp) if tc else can_group(hp, cache)) and pos0 + 1 >= grouped_min_kv(hp, sm_count)):
         return False
+    if tc:
+        return smem_limit is None or tc_smem(hp) + TC_STATIC <= smem_limit
     if smem_limit is not None:
         try:
             ring(hp, smem_limit, cache=cache)
         except ValueError:
             return False
     return True
+
+
+def emulate_tc(q, k, v, hp, pos0: int, splits: int, sinks=None, window: int = 0) -> np.ndarray:
+    """attn_decode_gqa_tc's result in float64 between its rounding points (those of
+    attn_prefill_fa: prompt_attention.attention_tc) for the token at pos0, launched with
+    `splits` blocks a head: the 16-position tiles from the window's first are dealt in turn
+    to 8 warps a split (as many splits as have a tile a warp, up to `splits`), each warp with
+    an online softmax of its own."""
+    n_kv = pos0 + 1
+    t0 = (max(0, n_kv - window) if window else 0) // TC_TILE
+    active = min(splits, -(-(-(-n_kv // TC_TILE) - t0) // TC_WARPS))
+    return prompt_attention.attention_tc(q, k, v, hp, pos0, "f16", sinks=sinks, window=window,
+                                         layout=(TC_TILE, TC_WARPS * active), start=t0 * TC_TILE)

@@ -150,14 +150,16 @@ def f16(a) -> np.ndarray:
 ROUNDING = {"tf32": (tf32, tf32_truncated, tf32), "f16": (f16, f16, f16)}
 
 
-def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16", sinks=None, window: int = 0) -> np.ndarray:
+def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16", sinks=None, window: int = 0,
+                 layout: tuple[int, int] | None = None, start: int = 0) -> np.ndarray:
     """A tensor-core kernel's result in float64 between its rounding points. q (n, q_dim)
     float32 for positions pos0.., k and v (L, kv_dim) float32 the cache up to pos0 + n. The
-    keys go in steps of the kernel's (LAYOUT), dealt in turn to its parts: each part has its
-    own online softmax (p rounded relative to that part's running max, as in the kernels)
-    and the parts merge at the end."""
+    keys from `start` go in steps of the kernel's (layout: (keys a step, parts); None: the
+    prompt kernel's, LAYOUT), dealt in turn to its parts: each part has its own online
+    softmax (p rounded relative to that part's running max, as in the kernels) and the parts
+    merge at the end."""
     round_q, round_kv, round_p = ROUNDING[precision]
-    step, parts = LAYOUT[precision]
+    step, parts = layout or LAYOUT[precision]
     n, hd, hkv = q.shape[0], hp.head_dim, hp.n_head_kv
     g, L = hp.n_head // hkv, pos0 + n
     scale_log2 = np.float32(1.0 / np.sqrt(hd) * np.log2(np.e))
@@ -170,7 +172,7 @@ def attention_tc(q, k, v, hp, pos0: int, precision: str = "f16", sinks=None, win
         m = np.full((hkv, g, n), -np.inf)
         total = np.zeros((hkv, g, n))
         o = np.zeros((hkv, g, n, hd))
-        for j0 in range(h * step, L, step * parts):
+        for j0 in range(start + h * step, L, step * parts):
             j1 = min(L, j0 + step)
             s = np.einsum("nhgd,lhd->hgnl", qs, ks[j0:j1])
             gap = last[:, None] - np.arange(j0, j1)[None, :]

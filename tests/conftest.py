@@ -184,6 +184,58 @@ def attention64(q, kc, vc, pos, hp, sinks=None, window=0):
     return out
 
 
+def decode_cache_rows(kc, vc, n_kv, window, cache):
+    """A decode attention test's cache rows: NaN past the current position (never read);
+    1e4 before a window (a chunk or tile partly before it is read and masked, so they must be
+    finite, as a cache's old rows are; unmasked, their scores would take all the weight); in
+    the cache's type (an f16 cache: what it holds)."""
+    kc[n_kv:] = np.nan
+    vc[n_kv:] = np.nan
+    if window:
+        kc[:max(0, n_kv - window)] = 1e4
+        vc[:max(0, n_kv - window)] = 1e4
+    return kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)
+
+
+def decode_fused_is_separate(B, cache, il, kc, vc, q, pos, n_kv, rng):
+    """Decode attention fused (q, k and v straight from the projections, as inside a decode
+    step) and after the separate qk_norm_rope_store launch, on the same cache with the rows
+    from the current position on poisoned (the current one must come from the kernel, not
+    the cache): the outputs and the whole caches agree bit for bit, the stored rows are
+    finite. Returns the output, q as rotated and the cache's keys and values."""
+    from types import SimpleNamespace
+
+    import cupy as cp
+    hp = B.hp
+    k = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
+    v = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
+    L = SimpleNamespace(q_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)),
+                        k_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)))
+    kc[n_kv - 1:] = np.nan
+    vc[n_kv - 1:] = np.nan
+    kc, vc = kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)
+    results = []
+    with B.context():
+        for fused in (False, True):
+            cache.k[il].set(kc)
+            cache.v[il].set(vc)
+            B.ws("attn", (1, hp.q_dim)).fill(cp.nan)
+            qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+            if fused:     # what qk_norm_rope_store_ leaves for the attention inside a decode step
+                B._pending_qk = (qd.data.ptr, kd, vd, L.q_norm, L.k_norm)
+            else:
+                B.qk_norm_rope_store_(cache, il, qd, kd, vd, L, pos, n_kv - 1)
+                q_rot = qd.get()
+            out = B.attention(cache, il, qd, pos, n_kv - 1, 1, "attn").get()
+            results.append((out, cache.k[il].get(), cache.v[il].get()))
+    (out0, k0, v0), (out1, k1, v1) = results
+    np.testing.assert_array_equal(out1, out0)
+    np.testing.assert_array_equal(k1, k0)
+    np.testing.assert_array_equal(v1, v0)
+    assert np.isfinite(k0[:n_kv]).all() and np.isfinite(v0[:n_kv]).all()
+    return out0, q_rot, k0, v0
+
+
 # where a K-quant block keeps its f16 scales (d, and dmin where it has one)
 K_F16_AT = {"q2_K": (80, 82), "q3_K": (108,), "q5_K": (0, 2), "q6_K": (208,), "iq4_xs": (0,)}
 
@@ -233,3 +285,18 @@ def fed_in_pieces(splitter, text: str, rng, most: int = 8) -> list:
         parts += splitter.add(text[i:i + k])
         i += k
     return parts + splitter.flush()
+
+
+def mma_m16n8k16(d, a, b0, b1):
+    """d += A . B with the PTX fragment layouts (gr = t/4, tq = t%4): A pairs (gr, 2tq..),
+    (gr+8, 2tq..), (gr, 8+2tq..), (gr+8, 8+2tq..); B pairs (k 2tq.., n gr), (k 8+2tq.., n gr);
+    C (gr, 2tq), (gr, 2tq+1), (gr+8, 2tq), (gr+8, 2tq+1)."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for t in range(32):
+        gr, c = t // 4, 2 * (t % 4)
+        A[gr, c:c + 2], A[gr + 8, c:c + 2], A[gr, c + 8:c + 10], A[gr + 8, c + 8:c + 10] = (x[t] for x in a)
+        B[c:c + 2, gr], B[c + 8:c + 10, gr] = b0[t], b1[t]
+    C = A @ B
+    for t in range(32):
+        gr, c = t // 4, 2 * (t % 4)
+        d[t] += np.array([C[gr, c], C[gr, c + 1], C[gr + 8, c], C[gr + 8, c + 1]])

@@ -91,7 +91,7 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
     # these request constant model weights (norm weights, the router), or the KV cache
     # of earlier steps, before the wait
     decode = {n for n in bodies if n.startswith("attn_decode_")}
-    assert len(decode) == len(ModelSpec.DECODE_WIDTHS) + 6       # + the grouped ones
+    assert len(decode) == len(ModelSpec.DECODE_WIDTHS) + 12      # + the grouped ones (FMA and tensor cores)
     prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route", "router_route_cluster"} | decode
     rows = render(spec)
     src_helper = rows[rows.index("void attn_rows("):]
@@ -109,7 +109,14 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
             # the position and the cache rows before it (earlier steps wrote them), never q
             # or the current position's row (the kernel just before writes those)
             assert "cur = n_kv - 1" in pre, name
-            if name.startswith("attn_decode_gqa"):
+            if name.startswith("attn_decode_gqa_tc"):
+                # the warp's first tile (a sliding window's tiles from t0), rows clamped to
+                # first .. cur and cur's read from shared memory (loaded again after the wait)
+                assert "tile.load(kc, vc, ck, cv, (t0 + u) * TT, first, cur, head, kv_dim, hd, false);" in pre, name
+                assert "const int p = min(max(tb + 8 * n + gr, first), cur);" in rows
+                assert "const kv_t* row = p == cur ? ck : kc + (long)p * kv_dim + head;" in rows
+                assert "tile.load(kc, vc, ck, cv, (t0 + u) * TT, first, cur, head, kv_dim, hd, true);" in rows
+            elif name.startswith("attn_decode_gqa"):
                 # from the split's first chunk (c0 + sp: a sliding window's from its first) up to cur
                 assert "b0 = (c0 + sp) * T" in pre, name
                 assert "slots.request(gqa_ring + i * stage, kc, vc, b0 + i * step, i < chunks ? cur : 0," in pre

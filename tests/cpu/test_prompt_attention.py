@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import mma_m16n8k16
 
 from moeforge.runtime.arch_qwen3moe import HParams
 from moeforge.runtime.prompt_attention import (ROUNDING, attention_tc, blocks_per_kv_head, check_precision, f16,
@@ -212,21 +213,6 @@ def _ldmatrix(halves, row_of_lane, trans=False):
     return out
 
 
-def _mma_m16n8k16(d, a, b0, b1):
-    """d += A . B with the PTX fragment layouts (gr = t/4, tq = t%4): A pairs (gr, 2tq..),
-    (gr+8, 2tq..), (gr, 8+2tq..), (gr+8, 8+2tq..); B pairs (k 2tq.., n gr), (k 8+2tq.., n gr);
-    C (gr, 2tq), (gr, 2tq+1), (gr+8, 2tq), (gr+8, 2tq+1)."""
-    A, B = np.zeros((16, 16)), np.zeros((16, 8))
-    for t in range(32):
-        gr, c = t // 4, 2 * (t % 4)
-        A[gr, c:c + 2], A[gr + 8, c:c + 2], A[gr, c + 8:c + 10], A[gr + 8, c + 8:c + 10] = (x[t] for x in a)
-        B[c:c + 2, gr], B[c + 8:c + 10, gr] = b0[t], b1[t]
-    C = A @ B
-    for t in range(32):
-        gr, c = t // 4, 2 * (t % 4)
-        d[t] += np.array([C[gr, c], C[gr, c + 1], C[gr + 8, c], C[gr + 8, c + 1]])
-
-
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("hd", [128, 48])
 def test_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache):
@@ -269,8 +255,8 @@ def test_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache):
               for t in range(32) for r in [t // 4 + 8 * (i % 2)]] for i in range(4) for d in [8 * (i // 2)]]
         for p in range(4):
             b = _ldmatrix(k, [x + p * 16 * ls + c * 16 for x in ka])
-            _mma_m16n8k16(s[2 * p], a, b[0], b[1])
-            _mma_m16n8k16(s[2 * p + 1], a, b[2], b[3])
+            mma_m16n8k16(s[2 * p], a, b[0], b[1])
+            mma_m16n8k16(s[2 * p + 1], a, b[2], b[3])
     S = q @ k.reshape(64, ls)[:, :hd].T
     PV = S @ v.reshape(64, ls)[:, :hd]
     o = np.zeros((hd // 8, 32, 4))
@@ -279,8 +265,8 @@ def test_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache):
              for i in range(4)]
         for npair in range(hd // 16):
             b = _ldmatrix(v, [x + kb * 16 * ls + npair * 16 for x in va], trans=True)
-            _mma_m16n8k16(o[2 * npair], a, b[0], b[1])
-            _mma_m16n8k16(o[2 * npair + 1], a, b[2], b[3])
+            mma_m16n8k16(o[2 * npair], a, b[0], b[1])
+            mma_m16n8k16(o[2 * npair + 1], a, b[2], b[3])
     for t in range(32):
         gr, c = t // 4, 2 * (t % 4)
         for nb in range(8):

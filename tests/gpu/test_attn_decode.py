@@ -3,11 +3,9 @@ gpu): against float64 at every head width variant, contexts inside and past the 
 requests before its wait, split over blocks, a block per query head or per key head (the
 grouped kernel), and its own q/k norm, RoPE and KV store bit for bit the separate
 qk_norm_rope_store launch."""
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
-from conftest import attention64, attn_hparams
+from conftest import attention64, attn_hparams, decode_cache_rows, decode_fused_is_separate
 
 from moeforge.codegen.spec import ModelSpec
 from moeforge.runtime.decode_attention import ATTN_DECODE_CHUNK, can_group
@@ -59,12 +57,7 @@ def _check_two_launches(cp, hp, B, cache, il, kc, vc, q, pos, n_kv, label, sinks
     within 2e-5, the same bits on a second launch, every split counter back at zero. Rows
     before a window are 1e4 (a chunk partly before it is read and masked, so they must be
     finite, as a cache's old rows are; unmasked, their scores would take all the weight)."""
-    kc[n_kv:] = np.nan
-    vc[n_kv:] = np.nan
-    if window:
-        kc[:max(0, n_kv - window)] = 1e4
-        vc[:max(0, n_kv - window)] = 1e4
-    kc, vc = kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)     # an f16 cache: what it holds
+    kc, vc = decode_cache_rows(kc, vc, n_kv, window, cache)
     extra = {} if sinks is None else {"sinks": cp.asarray(sinks)}
     with B.context():
         cache.k[il].set(kc)
@@ -165,32 +158,7 @@ def test_attn_decode_own_norm_rope_and_store_are_the_separate_launch(heads, grou
     cp, hp, B, cache, il, kc, vc, q, pos = _setup(heads, n_kv, rng, cache_type)
     B.decode_attn_splits = 3 if n_kv > ATTN_DECODE_CHUNK else None
     B.decode_attn_grouped = grouped
-    k = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
-    v = rng.standard_normal((1, hp.kv_dim)).astype(np.float32)
-    L = SimpleNamespace(q_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)),
-                        k_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)))
-    kc[n_kv - 1:] = np.nan
-    vc[n_kv - 1:] = np.nan
-    kc, vc = kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)
-    results = []
-    with B.context():
-        for fused in (False, True):
-            cache.k[il].set(kc)
-            cache.v[il].set(vc)
-            B.ws("attn", (1, hp.q_dim)).fill(cp.nan)
-            qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
-            if fused:     # what qk_norm_rope_store_ leaves for the attention inside a decode step
-                B._pending_qk = (qd.data.ptr, kd, vd, L.q_norm, L.k_norm)
-            else:
-                B.qk_norm_rope_store_(cache, il, qd, kd, vd, L, pos, n_kv - 1)
-                q_rot = qd.get()
-            out = B.attention(cache, il, qd, pos, n_kv - 1, 1, "attn").get()
-            results.append((out, cache.k[il].get(), cache.v[il].get()))
-    (out0, k0, v0), (out1, k1, v1) = results
-    np.testing.assert_array_equal(out1, out0)
-    np.testing.assert_array_equal(k1, k0)
-    np.testing.assert_array_equal(v1, v0)
-    assert np.isfinite(k0[:n_kv]).all() and np.isfinite(v0[:n_kv]).all()
+    out0, q_rot, k0, v0 = decode_fused_is_separate(B, cache, il, kc, vc, q, pos, n_kv, rng)
     exact = attention64(q_rot.astype(np.float64), k0.astype(np.float64), v0.astype(np.float64),
                         np.array([n_kv - 1]), hp)
     err = np.abs(out0 - exact).max()
