@@ -79,7 +79,7 @@ def tc_smem(hp, smem_limit: int | None = None) -> int:
     a full wave of splits (G (head_dim + 2) floats each), less TC_STATIC for the kernel's
     own arrays: the last block merges them in one batch (32 splits of 8 heads of 128: 133 KB)."""
     g = tc_group(hp)
-    least = 4 * (GQA_THREADS // 32) * g * (_gqa_width(hp.head_dim) + TC_OS_PAD)
+    least = 4 * TC_WARPS * g * (_gqa_width(hp.head_dim) + TC_OS_PAD)
     if smem_limit is None:
         return least
     records = 4 * GQA_MAX_SPLITS * g * (hp.head_dim + 2)
@@ -176,6 +176,7 @@ def emulate_tc(q, k, v, hp, pos0: int, splits: int, sinks=None, window: int = 0)
     an online softmax of its own."""
     n_kv = pos0 + 1
     t0 = (max(0, n_kv - window) if window else 0) // TC_TILE
-    active = min(splits, -(-(-(-n_kv // TC_TILE) - t0) // TC_WARPS))
+    tiles = -(-n_kv // TC_TILE) - t0
+    active = min(splits, -(-tiles // TC_WARPS))
     return prompt_attention.attention_tc(q, k, v, hp, pos0, "f16", sinks=sinks, window=window,
                                          layout=(TC_TILE, TC_WARPS * active), start=t0 * TC_TILE)
