@@ -57,6 +57,9 @@ class QuantType:
     # (q6_K: its high bits, two scales and a copy of d); 0: the GGUF block's bytes outside
     # qs, shared by its kernel blocks (a super-block's, `super_meta`).
     own_meta_bytes: int = 0
+    # A kernel block's scales ride in its own qs bytes (q3_K: 2-bit parts, high bits, two
+    # scales and d in 16 bytes, 4 bits a weight): no meta region at all.
+    inline_meta: bool = False
     # Formats whose 4-bit codes stand for levels: the int8 level of each code (iq4_xs's
     # lattice, mxfp4's doubled e2m1 values); empty where the quant is the value itself
     # (offset by the format's own rule).
@@ -74,6 +77,8 @@ class QuantType:
     @property
     def meta_bytes(self) -> int:
         """Scale bytes per kernel block (a K-quant super-block's are shared by its eight)."""
+        if self.inline_meta:
+            return 0
         if self.own_meta_bytes:
             return self.own_meta_bytes
         return (self.block_bytes - self.qs_bytes * self.sub_blocks) // self.sub_blocks
@@ -82,7 +87,13 @@ class QuantType:
     def super_meta(self) -> bool:
         """A kernel block's scales are found in its super-block's shared bytes (q4_K), so
         that stages hold whole super-blocks; otherwise each block's meta is its own."""
-        return self.sub_blocks > 1 and not self.own_meta_bytes
+        return self.sub_blocks > 1 and not self.own_meta_bytes and not self.inline_meta
+
+    @property
+    def two_scales(self) -> bool:
+        """Each kernel block has two int8 scales, one a 16 weights, folded into its integer
+        dot as two k16 products (q6_K, q3_K); the float multiplier is d alone."""
+        return bool(self.own_meta_bytes) or self.inline_meta
 
     def codebook_words(self, bias: int = 0) -> tuple[int, ...]:
         """The codebook as four little-endian words of bytes level + bias (mod 256): the
@@ -159,6 +170,11 @@ QUANT_TYPES: dict[str, QuantType] = {
         # of its high bits (quant_q5_K.cuh.j2): 48 meta bytes a super-block, the file's 5.5
         # bits a weight.
         QuantType("q5_K", gguf.GGMLQuantizationType.Q5_K, 256, 176, 48, 16, paired_nibbles=True, high_bits=1),
+        # super-block of 256: 32 bytes of high bits (hmask), 64 of 2-bit low parts, 12 bytes
+        # of sixteen 6-bit scales (one a 16 weights), d (f16); w = d * (s - 32) * (q - 4).
+        # The split packs a kernel block's low parts, high bits, two scales and d into its
+        # 16 qs bytes (quant_q3_K.cuh.j2): 4 bits a weight on the GPU, the file's 3.4375.
+        QuantType("q3_K", gguf.GGMLQuantizationType.Q3_K, 256, 110, 0, 16, inline_meta=True),
         # super-block of 256: 128 bytes of low nibbles (ql), 64 of 2-bit high parts (qh),
         # sixteen int8 scales (one a 16 weights), d (f16); w = d * sc * (q - 32). The split
         # gives each kernel block 12 meta bytes: its high bits, its two scales, d

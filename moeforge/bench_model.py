@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-FTYPES = {0: "all F32", 1: "F16", 2: "Q4_0", 7: "Q8_0", 14: "Q4_K - Small", 15: "Q4_K - Medium",
+FTYPES = {0: "all F32", 1: "F16", 2: "Q4_0", 7: "Q8_0", 10: "Q2_K - Medium", 11: "Q3_K - Small",
+          12: "Q3_K - Medium", 13: "Q3_K - Large", 14: "Q4_K - Small", 15: "Q4_K - Medium",
           16: "Q5_K - Small", 17: "Q5_K - Medium", 18: "Q6_K", 30: "IQ4_XS - 4.25 bpw", 32: "BF16",
           38: "MXFP4 MoE"}
 SIZE_LABELS = {("qwen3moe", 48): "30B.A3B", ("qwen3moe", 94): "235B.A22B", ("gpt-oss", 24): "20B",

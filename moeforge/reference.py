@@ -83,6 +83,13 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
         ints = qv.astype(np.int32).reshape(-1, 16, 16) * sc.astype(np.int32)[..., None]
         mul = np.repeat(d6.reshape(rows, nsb), 8, axis=1)
         return ints.reshape(rows, k), mul, np.zeros_like(mul)
+    if q.name == "q3_K":
+        # as q6_K: the two scales folded into the integer dot, d alone the multiplier
+        from .runtime.array_blocks import q3_k_parts
+        qv, sc, d3 = q3_k_parts(blocks.reshape(rows * nsb, q.block_bytes))
+        ints = qv.astype(np.int32).reshape(-1, 16, 16) * sc.astype(np.int32)[..., None]
+        mul = np.repeat(d3.reshape(rows, nsb), 8, axis=1)
+        return ints.reshape(rows, k), mul, np.zeros_like(mul)
     if q.name == "iq4_xs":
         # the levels are the integers; a sub-block's multiplier d * (ls - 32) (exact: 11 x 6 bits)
         from .runtime.array_blocks import iq4_xs_parts
@@ -154,6 +161,13 @@ def f16_weights(raw: np.ndarray, qtype, rows: int, k: int) -> np.ndarray:
     q = _q(qtype)
     if q.name not in MmfSpec.QTYPES:
         raise ValueError(f"{q.name} has no f16 tiles (MmfSpec.QTYPES)")
+    if q.name == "q3_K":
+        # (q - 4) * f16(d * sc), the product rounded once (the kernel's f16 multiply)
+        from .runtime.array_blocks import q3_k_parts
+        nsb = k // q.block_values
+        qv, sc, d3 = q3_k_parts(np.asarray(raw, dtype=np.uint8).reshape(rows * nsb, q.block_bytes))
+        s = (d3.astype(np.float64) * sc).astype(np.float16).astype(np.float64)[..., None]
+        return (qv.reshape(-1, 16, 16).astype(np.float64) * s).astype(np.float16).reshape(rows, k)
     ints, mul, add = _kernel_view(raw, q, rows, k)
     nb = k // 32
     if q.sub_blocks > 1 or q.codebook:
@@ -206,14 +220,16 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     if q.name == "mxfp4":   # e8m0 scales 2^-11..2^-6 times levels up to 12: q4_0's weights
         blocks[:, :, 0] = rng.integers(117, 123, size=(rows, nb))
         return blocks.reshape(rows, nb * q.block_bytes)
-    # the f16 scales: q4_K's and q5_K's d, then dmin, at the block's start; q6_K's d at its end
-    where = {"q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,)}.get(q.name, (0,))
+    # the f16 scales: q4_K's and q5_K's d, then dmin, at the block's start; q3_K's and q6_K's d at its end
+    where = {"q4_K": (0, 2), "q5_K": (0, 2), "q3_K": (108,), "q6_K": (208,)}.get(q.name, (0,))
     for at in where:
         d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb)))
         if q.name == "q4_K":
             d /= 32   # times 6-bit sub-block scales and mins: weights of the same size
         if q.name == "q5_K":
             d /= 64   # the same, with quants up to 31
+        if q.name == "q3_K":
+            d /= 16   # times s - 32 and q - 4 (up to 128): the same
         if q.name == "q6_K":
             d /= 256  # times int8 scales and q - 32: weights of the same size
         if q.name == "iq4_xs":

@@ -23,20 +23,21 @@ from .runtime.convert import block_size, row_bytes
 from .synth_vocab import add_tokenizer
 
 ARCHS = ("qwen3moe", "gpt-oss")
-# q4_K_M, q5_K_M: llama.cpp's mixes of those names (q4_K or q5_K, with q6_K where they give
-# more bits: see tensor_plan); q6_K also for every matrix, or as --output-type/--embd-type
+# q3_K_M, q4_K_M, q5_K_M: llama.cpp's mixes of those names (q3_K, q4_K or q5_K, with more
+# bits in places: see mix_types); q6_K also for every matrix, or as --output-type/--embd-type
 # (llama.cpp's Q4_0 files keep a q6_K head); iq4_xs every matrix (llama.cpp's IQ4_XS mix
 # gives attn_v q5_K and the head q6_K: --output-type q6_K comes close); mxfp4_moe as
 # llama.cpp's MXFP4_MOE (mxfp4 has kernels for the expert products only)
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe")
-TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs",
+         "mxfp4_moe")
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
 # the base type of each mix
-MIXES = {"q4_K_M": "q4_K", "q5_K_M": "q5_K"}
+MIXES = {"q3_K_M": "q3_K", "q4_K_M": "q4_K", "q5_K_M": "q5_K"}
 # llama.cpp's MXFP4_MOE: the expert tensors mxfp4, every other matrix q8_0
 EXPERT_MIXES = {"mxfp4_moe": ("mxfp4", "q8_0")}
 # llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K (q5_K, iq4_xs) is closest to Q4_K_S
 # (Q5_K_S, IQ4_XS)
-FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17,
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q3_K": 11, "q3_K_M": 12, "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17,
              "q6_K": 18, "iq4_xs": 30, "mxfp4_moe": 38}
 
 
@@ -92,13 +93,24 @@ def more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+def mix_types(mix: str, base: str, i: int, n: int) -> tuple[str, str, str]:
+    """(attn_v, attn_output, ffn_down) of layer i of n in llama.cpp's mix (llama-quant.cpp's
+    rules for an MoE without 8 experts): Q4_K_M and Q5_K_M give attn_v and ffn_down q6_K in
+    the more_bits layers; Q3_K_M gives attn_v q5_K in the first two layers and q4_K after,
+    attn_output q4_K, ffn_down q5_K in the first sixteenth and q4_K after."""
+    if mix == "q3_K_M":
+        return "q5_K" if i < 2 else "q4_K", "q4_K", "q5_K" if i < n // 16 else "q4_K"
+    more = "q6_K" if more_bits(i, n) else base
+    return more, base, more
+
+
 def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, merged_gate_up=False,
                 tied_output=False):
     """[(name, numpy-order shape, type)] in the order llama.cpp's converter writes them."""
     d, E, ff = s.n_embd, s.n_expert, s.n_ff_exp
     mix = qtype in MIXES
-    if mix:   # Q4_K_M, Q5_K_M: q6_K head, attn_v and ffn_down in more_bits layers, the base type elsewhere
-        qtype, output_type = MIXES[qtype], output_type or "q6_K"
+    if mix:   # a q6_K head, more bits in some layers' attn_v, attn_output, ffn_down (mix_types)
+        mix, qtype, output_type = qtype, MIXES[qtype], output_type or "q6_K"
     experts = None
     if qtype in EXPERT_MIXES:
         experts, qtype = EXPERT_MIXES[qtype]
@@ -108,13 +120,13 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
             [] if tied_output else [("output.weight", (s.n_vocab, d), output_type or qtype)])
     for i in range(s.n_layer):
         b = f"blk.{i}."
-        more = "q6_K" if mix and more_bits(i, s.n_layer) else qtype
+        wv, wo, down = mix_types(mix, qtype, i, s.n_layer) if mix else (qtype, qtype, qtype)
         plan += [
             (b + "attn_norm.weight", (d,), "f32"),
             (b + "attn_q.weight", (s.n_head * s.head_dim, d), qtype),
             (b + "attn_k.weight", (s.n_head_kv * s.head_dim, d), qtype),
-            (b + "attn_v.weight", (s.n_head_kv * s.head_dim, d), more),
-            (b + "attn_output.weight", (d, s.n_head * s.head_dim), qtype),
+            (b + "attn_v.weight", (s.n_head_kv * s.head_dim, d), wv),
+            (b + "attn_output.weight", (d, s.n_head * s.head_dim), wo),
             (b + "attn_q_norm.weight", (s.head_dim,), "f32"),
             (b + "attn_k_norm.weight", (s.head_dim,), "f32"),
             (b + "ffn_norm.weight", (d,), "f32"),
@@ -125,7 +137,7 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
             plan.append((b + "ffn_gate_up_exps.weight", (E, 2 * ff, d), gu))
         else:
             plan += [(b + "ffn_gate_exps.weight", (E, ff, d), gu), (b + "ffn_up_exps.weight", (E, ff, d), gu)]
-        plan.append((b + "ffn_down_exps.weight", (E, d, ff), experts or more))
+        plan.append((b + "ffn_down_exps.weight", (E, d, ff), experts or down))
     plan.append(("output_norm.weight", (d,), "f32"))
     if not tied_output:
         plan.append(("output.weight", (s.n_vocab, d), output_type or qtype))
@@ -222,6 +234,11 @@ class _Weights:
             b[:, 8::16] |= 0x0F   # level 113; its scale ls - 32 made positive (ls's top bit and a
             b[:, 2:4] |= 0xAA     # low nibble of at least 1)
             b[:, 4:8] |= 0x11
+        elif t == "q3_K":   # value 0 of block 4n+j: bits 2j of qs[32n] and bit 4n+j of hmask[0]
+            b[:, 0] = 0xFF      # (q - 4 = 3); every scale s - 32 made positive (top bits 2, a
+            b[:, 32:96:32] = 0xFF   # low nibble of at least 1)
+            b[:, 96:104] |= 0x11
+            b[:, 104:108] = 0xAA
         elif t == "q6_K":   # value 0 of block 4n+p: both nibbles of ql[64n + 32(p & 1)], qh[32n]
             b[:, 0:128:32] = 0xFF
             b[:, 128:192:32] = 0xFF

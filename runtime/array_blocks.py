@@ -45,17 +45,27 @@ def dequantize_q2_k(blocks, xp=np):
     return (dl * q - ml).reshape(n, 256)
 
 
-def dequantize_q3_k(blocks, xp=np):
+def q3_k_parts(blocks, xp=np):
+    """q3_K super-blocks (n, 110) -> (q - 4 as int8 (n, 256) in weight order, the sixteen
+    scales s - 32 as int8 (n, 16), one a 16 weights, d as float32 (n, 1)): ggml's unpacking
+    (scale i's low nibble in byte i & 7, the low half for i < 8; its top two bits at bits
+    2(i >> 2) of byte 8 + (i & 3)); the split and the reference's emulation read them here."""
     n = blocks.shape[0]
-    hmask, qs, scales, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _f16(blocks[:, 108:110], xp)
+    hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
     lo = _bits(scales[:, :8], n, 8, 4, xp).reshape(n, 16)
     hi = _bits(scales[:, 8:], n, 4, 2, xp).reshape(n, 16)
-    sc = ((lo | (hi << 4)).astype(xp.int8) - xp.int8(32)).astype(xp.float32)
-    dl = (d * sc).reshape(n, 16, 1)
+    sc = (lo | (hi << 4)).astype(xp.int8) - xp.int8(32)
     ql = _bits(qs, n, 32, 2, xp).reshape(n, 16, 16)
     qh = _bits(hmask, n, 32, 1, xp).reshape(n, 16, 16) ^ 1   # the offset is 4 where the bit is 0
-    q = (ql.astype(xp.int8) - (qh << 2).astype(xp.int8)).astype(xp.float32)
-    return (dl * q).reshape(n, 256)
+    q = ql.astype(xp.int8) - (qh << 2).astype(xp.int8)
+    return q.reshape(n, 256), sc, _f16(blocks[:, 108:110], xp)
+
+
+def dequantize_q3_k(blocks, xp=np):
+    n = blocks.shape[0]
+    q, sc, d = q3_k_parts(blocks, xp)
+    dl = (d * sc.astype(xp.float32)).reshape(n, 16, 1)
+    return (dl * q.reshape(n, 16, 16).astype(xp.float32)).reshape(n, 256)
 
 
 def q5_k_quants(blocks, xp=np):

@@ -130,6 +130,12 @@ MMF_MIN_DENSE_TOKENS = 512
 MMF_WIDE_TILE = (128, 128, 4, 4, 2)   # x, y, warps, kblocks, stages
 MMF_MAX_SPLITS = 4
 MMF_MIN_TOKENS_PER_EXPERT = 256
+# Formats whose int8 tiles pay more a block, so that the f16 tiles win from fewer tokens an
+# expert. q3_K: two k16 products a block and its scales folded into the integer sums (as
+# q6_K's); H200, hot, Qwen3 experts, 128-token f16 tiles against the default int8 ones:
+# n=512 (32 an expert) 228.4 against 159.5 us, n=1024 (64) 230.5 against 261.1, n=2048 357.5
+# against 451.1, n=4096 590.1 against 968.2 (BENCHMARKS.md, "q3_K kernels").
+MMF_MIN_TOKENS_PER_EXPERT_OF = {"q3_K": 64}
 MMF_CC_MAJOR = (9,)
 
 
@@ -184,7 +190,8 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
         return None
     ids = tokens_per_expert is not None
-    if ids and tokens_per_expert < MMF_MIN_TOKENS_PER_EXPERT or not ids and n < MMF_MIN_DENSE_TOKENS:
+    min_per_expert = MMF_MIN_TOKENS_PER_EXPERT_OF.get(qtype, MMF_MIN_TOKENS_PER_EXPERT)
+    if ids and tokens_per_expert < min_per_expert or not ids and n < MMF_MIN_DENSE_TOKENS:
         return None
     if _device_cc_major() not in MMF_CC_MAJOR:
         return None

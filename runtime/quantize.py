@@ -1,5 +1,6 @@
 """Float weights -> GGUF blocks: gguf's reference quantizers where it has one, our own for
-the formats it lacks (gguf-py dequantizes q4_K, q5_K and iq4_xs but cannot quantize them).
+the formats it lacks (gguf-py dequantizes q3_K, q4_K, q5_K, q6_K and iq4_xs but cannot
+quantize them).
 
 The q4_K and q5_K quantizers are plain ones, not ggml's (which searches each sub-block's
 scale and min to minimise the error): per 32-weight sub-block the range [min(0, lo), hi] is
@@ -26,6 +27,10 @@ def quantize(x: np.ndarray, q: QuantType) -> np.ndarray:
         return quantize_q5_k(x)
     if q.name == "iq4_xs":
         return quantize_iq4_xs(x)
+    if q.name == "q3_K":
+        return quantize_q3_k(x)
+    if q.name == "q6_K":
+        return quantize_q6_k(x)
     from gguf import quants
     return quants.quantize(x, q.ggml_type)
 
@@ -92,8 +97,7 @@ def pack_q4_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     """Float rows (rows, k), k a multiple of 256 -> q6_K blocks (rows, k // 256 * 210), uint8.
     A plain quantizer like quantize_q4_k: each 16 weights' scale spans their largest
-    magnitude over 31 levels, the super-block's d the largest scale over 127 (moeforge has
-    no q6_K kernels; the files it writes are for the load-time conversion and its tests)."""
+    magnitude over 31 levels, the super-block's d the largest scale over 127."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, k = x.shape
     nsb = k // 256
@@ -117,6 +121,48 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     out[..., 192:208] = sc.view(np.uint8)
     out[..., 208:210] = d.view(np.uint8).reshape(rows, nsb, 2)
     return out.reshape(rows, nsb * 210)
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    """Float rows (rows, k), k a multiple of 256 -> q3_K blocks (rows, k // 256 * 110), uint8.
+    A plain quantizer like quantize_iq4_xs: each 16 weights' scale maps their largest
+    magnitude onto the level -4, the super-block's d is the largest scale over -32 (every
+    s - 32 in [-32, 31]), each weight the level in [-4, 3] nearest under its rounded scale."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, k = x.shape
+    nsb = k // 256
+    grp = x.reshape(rows * nsb, 16, 16).astype(np.float64)
+    at = np.abs(grp).argmax(axis=-1)[..., None]
+    scale = np.take_along_axis(grp, at, axis=-1)[..., 0] / -4.0                 # (blocks, 16)
+    big = np.take_along_axis(scale, np.abs(scale).argmax(axis=-1)[..., None], axis=-1)
+    d = (big[..., 0] / -32.0).astype(np.float16)
+    d64 = d.astype(np.float64)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d64 != 0, np.rint(scale / d64), 0).clip(-32, 31).astype(np.int8)
+        step = (d64 * sc)[..., None]
+        qv = np.where(step != 0, np.rint(grp / step), 0).clip(-4, 3).astype(np.int8)
+    return pack_q3_k(qv.reshape(-1, 256), sc, d.view(np.uint8).reshape(-1, 2)).reshape(rows, nsb * 110)
+
+
+def pack_q3_k(q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q3_K super-blocks (n, 110) from q - 4 (n, 256) int8 in weight order, the scales s - 32
+    (n, 16) int8 and d's two bytes (n, 2): ggml's layout (weight 128n + 32j + l: bits 2j of
+    qs[32n + l], bit 4n + j of hmask[l], set where q - 4 >= 0; scale i's low nibble in byte
+    i & 7, the high one for i >= 8, its top two bits at bits 2(i >> 2) of byte 8 + (i & 3))."""
+    n = q.shape[0]
+    u = (q.astype(np.int16) + 4).astype(np.uint8).reshape(n, 2, 4, 32)            # (n, j, l)
+    qs = np.zeros((n, 2, 32), dtype=np.uint8)
+    hmask = np.zeros((n, 32), dtype=np.uint8)
+    for j in range(4):
+        qs |= (u[:, :, j] & 3) << (2 * j)
+        for half in range(2):
+            hmask |= (u[:, half, j] >> 2) << (4 * half + j)
+    s6 = (sc.astype(np.int16) + 32).astype(np.uint8)
+    scales = np.zeros((n, 12), dtype=np.uint8)
+    scales[:, :8] = (s6[:, :8] & 15) | ((s6[:, 8:] & 15) << 4)
+    for i in range(4):
+        scales[:, 8:] |= ((s6[:, 4 * i:4 * i + 4] >> 4) & 3) << (2 * i)
+    return np.concatenate([hmask, qs.reshape(n, 64), scales, d], axis=-1)
 
 
 def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:

@@ -25,7 +25,9 @@ def split_blocks(raw, q: QuantType, rows: int, k: int):
     nsb = nb // q.sub_blocks
     span = q.qs_bytes * q.sub_blocks
     blocks = xp.ascontiguousarray(raw).reshape(rows, nsb, q.block_bytes)
-    if q.own_meta_bytes:
+    if q.inline_meta:
+        qs, own = _split_q3_k(blocks, xp), xp.zeros((rows, 0), dtype=xp.uint8)
+    elif q.own_meta_bytes:
         qs, own = _split_q6_k(blocks, xp)
     else:
         qs = blocks[:, :, q.qs_offset:q.qs_offset + span]
@@ -51,6 +53,8 @@ def join_blocks(qs: np.ndarray, meta: np.ndarray, q: QuantType, rows: int, k: in
     """The inverse of split_blocks: GGUF block bytes, (rows, row_bytes)."""
     nb = q.blocks_per_row(k)
     nsb = nb // q.sub_blocks
+    if q.inline_meta:
+        return _join_q3_k(qs.reshape(rows, nsb, q.sub_blocks, q.qs_bytes)).reshape(rows, nsb * q.block_bytes)
     if q.own_meta_bytes:
         own = meta[:, :nb * q.meta_bytes].reshape(rows, nsb, q.sub_blocks, q.meta_bytes)
         return _join_q6_k(qs.reshape(rows, nsb, q.sub_blocks, q.qs_bytes), own).reshape(rows, nsb * q.block_bytes)
@@ -141,6 +145,43 @@ def _join_q6_k(qs: np.ndarray, meta: np.ndarray) -> np.ndarray:
     qh = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
     return np.concatenate([ql.reshape(*lead, 128), qh.reshape(*lead, 64),
                            meta[..., 8:10].reshape(*lead, 16), meta[..., 0, 10:12]], axis=-1)
+
+
+def _split_q3_k(blocks, xp=np):
+    """q3_K super-blocks (.., 110) -> 16 bytes a kernel block (.., 8, 16), everything in
+    them (quant_q3_K.cuh.j2). Kernel block j = 4n + p holds ggml's weights 128n + 32p + v,
+    v = 16h + 4i + b (h: which 16, i: the word lane, b: the byte): word h (h = 0, 1) has the
+    low two bits of q - 4 of value 16h + 4i + b at byte b, bits 2i+1..2i; word 2 byte b bit
+    4h + i its bit 2 (set where ggml's hmask bit is clear: q - 4 in 3-bit two's complement);
+    bytes 12 and 13 the scales s - 32 of values 0..15 and 16..31 as int8; bytes 14, 15 d."""
+    from .array_blocks import q3_k_parts
+    lead = blocks.shape[:-1]
+    flat = blocks.reshape(-1, 110)
+    val, sc, _ = q3_k_parts(flat, xp)
+    u = val.view(xp.uint8).reshape(-1, 8, 2, 4, 4)                   # (block, h, i, b)
+    low, top = u & 3, (u >> 2) & 1
+    lows = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
+    tops = xp.zeros((flat.shape[0], 8, 4), dtype=xp.uint8)
+    for h in range(2):
+        for i in range(4):
+            tops |= top[:, :, h, i] << (4 * h + i)
+    d = xp.broadcast_to(flat[:, None, 108:110], (flat.shape[0], 8, 2))
+    out = xp.concatenate([lows.reshape(-1, 8, 8), tops, sc.view(xp.uint8).reshape(-1, 8, 2), d], axis=-1)
+    return out.reshape(*lead, 8, 16)
+
+
+def _join_q3_k(qs: np.ndarray) -> np.ndarray:
+    """The inverse of _split_q3_k: (.., 8, 16) -> (.., 110)."""
+    from .quantize import pack_q3_k
+    lead = qs.shape[:-2]
+    b = qs.reshape(-1, 8, 16)
+    n = b.shape[0]
+    shifts = np.arange(0, 8, 2, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    low = (b[:, :, :8].reshape(n, 8, 2, 1, 4) >> shifts) & 3                       # (block, h, i, b)
+    top = (b[:, :, None, None, 8:12] >> np.arange(8, dtype=np.uint8).reshape(1, 1, 2, 4, 1)) & 1
+    val = low.astype(np.int8) - (top << 2).astype(np.int8)
+    sc = b[:, :, 12:14].view(np.int8).reshape(n, 16)
+    return pack_q3_k(val.reshape(n, 256), sc, b[:, 0, 14:16]).reshape(*lead, 110)
 
 
 def _numel(shape) -> int:

@@ -67,7 +67,7 @@ def compile_plan() -> dict:
     branches are written over. Both build one instance of every branch signature and every
     instance a shipped profile or the dispatch defaults name. Beyond those, sm_90 builds every
     f16 tile and model instance, every int8 tile of the 32-weight formats, a fixed quarter of
-    the super-block and codebook formats' (q4_K, q5_K, q6_K, iq4_xs, mxfp4: 280 each, the
+    the super-block and codebook formats' (q3_K, q4_K, q5_K, q6_K, iq4_xs, mxfp4: 280 each, the
     slowest to compile) and a fixed half of the mat-vecs (337 a format; q8_0's all); sm_80 the f16 tiles
     and model instances of the 32-weight formats and a fixed eighth of the rest; sm_86 and
     sm_89, which compile sm_80's path, a fixed 32nd. With every instance on sm_90 the test

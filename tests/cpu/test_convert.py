@@ -88,6 +88,36 @@ def test_every_listed_type_converts(rng, name):
     assert out.shape == (3, k // 32 * 34)
 
 
+def test_q3_k_m_plan_is_llama_cpps_and_loads_as_it_is(tmp_path, monkeypatch):
+    """llama.cpp's Q3_K_M on an MoE of 128 experts (llama-quant.cpp): attn_v q5_K in the first
+    two layers and q4_K after, attn_output q4_K, ffn_down q5_K in the first sixteenth and
+    q4_K after, the head q6_K, everything else q3_K; every tensor loads as it is, and q3_K
+    converts to q8_0 only when MOEFORGE_CONVERT asks."""
+    from moeforge.runtime.arch_qwen3moe import open_model
+    from moeforge.runtime.gguf_file import GGUFFile
+    from moeforge.runtime.model import load_model
+    from moeforge.synth import preset, tensor_plan, write_qwen3moe
+    types = {name: t for name, _, t in tensor_plan(preset("qwen3-30b-a3b"), "q3_K_M")}
+    assert [types[f"blk.{i}.attn_v.weight"] for i in (0, 1, 2, 47)] == ["q5_K", "q5_K", "q4_K", "q4_K"]
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in (0, 2, 3, 47)] == ["q5_K", "q5_K", "q4_K", "q4_K"]
+    assert {types[f"blk.{i}.attn_output.weight"] for i in range(48)} == {"q4_K"}
+    assert types["output.weight"] == "q6_K" and types["token_embd.weight"] == "q3_K"
+    assert {types[f"blk.5.{t}.weight"] for t in ("attn_q", "attn_k", "ffn_gate_exps", "ffn_up_exps")} == {"q3_K"}
+    path = str(tmp_path / "m.gguf")
+    write_qwen3moe(path, preset("tiny-k"), "q3_K_M", seed=3)
+    f = GGUFFile(path)
+    assert convert.note(f) is None and open_model(f).layers[1].wq.qtype == "q3_K"
+    native = load_model(path, backend="numpy").logits([1, 2, 3])
+    monkeypatch.setenv("MOEFORGE_CONVERT", "q3_K")
+    refs = open_model(f)
+    assert refs.layers[1].wq.qtype == "q8_0" and refs.tok_embd.qtype == "q8_0"
+    want = _dequantize(f.tensors["blk.1.attn_q.weight"].load(), "q3_K", 256)
+    got = _dequantize(refs.layers[1].wq.load(), "q8_0", 256)
+    assert np.abs(got - want).max() <= np.abs(want).max() / 127
+    converted = load_model(path, backend="numpy").logits([1, 2, 3])
+    assert 0 < np.abs(converted - native).max() < 0.05 * np.abs(native).max()
+
+
 @pytest.mark.parametrize("mix, base", [("q4_K_M", "q4_K"), ("q5_K_M", "q5_K")])
 def test_a_k_m_file_loads_its_tensors_as_they_are_or_as_q8_0_on_request(tmp_path, monkeypatch, mix, base):
     from moeforge.runtime.arch_qwen3moe import open_model

@@ -54,6 +54,24 @@ def test_q4_k_f16_weights_round_the_scales_then_the_fma(rng):
     assert np.abs(got.astype(np.float32) - gguf_w).max() <= 4e-3 * np.abs(gguf_w).max()
 
 
+def test_q3_k_f16_weights_round_the_scale_then_the_product(rng):
+    """q3_K in f16: (q - 4) * f16(d*sc), the scale rounded to f16 and the product once more
+    (the kernel's hmul2 of an exact small integer); within an f16 ulp or two of gguf's
+    float32 weights, and bit for bit a float32 product of the same (exact: 3 x 11 bits)."""
+    rows, k = 12, 512
+    raw = ref.random_blocks("q3_K", rows, k, rng)
+    got = ref.f16_weights(raw, "q3_K", rows, k)
+    blocks = raw.reshape(rows, k // 256, 110)
+    gguf_w = ref.dequantize(raw, "q3_K", (rows, k))
+    d = blocks[..., 108:110].copy().view(np.float16).astype(np.float32)               # (rows, nsb, 1)
+    from moeforge.runtime.array_blocks import q3_k_parts
+    qv, sc, _ = q3_k_parts(raw.reshape(-1, 110))
+    s16 = (d.reshape(-1, 1) * sc.astype(np.float32)).astype(np.float16).astype(np.float32)   # (blocks, 16)
+    prod = (qv.reshape(-1, 16, 16).astype(np.float32) * s16[..., None]).reshape(rows, k)
+    np.testing.assert_array_equal(got, prod.astype(np.float16))
+    assert np.abs(got.astype(np.float32) - gguf_w).max() <= 4e-3 * np.abs(gguf_w).max()
+
+
 def _mxfp4_blocks(rng, rows, k, scale_bytes):
     raw = ref.random_blocks("mxfp4", rows, k, rng).reshape(rows, k // 32, 17)
     raw[:, :, 0] = rng.choice(np.asarray(scale_bytes, dtype=np.uint8), size=raw.shape[:2])
@@ -151,6 +169,10 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
     assert moe.path == "mmf_id" and moe.spec.ids and moe.spec.x == 128
     assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 2048).path != "mmf_id"   # 128 an expert
+    # q3_K's int8 tiles pay two k16 products a block: its f16 tiles from 64 tokens an expert
+    assert dispatch.choose_mul_mat_id("q3_K", 128, 8, 768, 2048, 1024).path == "mmf_id"
+    assert dispatch.choose_mul_mat_id("q3_K", 128, 8, 768, 2048, 512).path != "mmf_id"
+    assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 1024).path != "mmf_id"
     monkeypatch.setenv("MOEFORGE_MMF", "0")
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
     monkeypatch.delenv("MOEFORGE_MMF")

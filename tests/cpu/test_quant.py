@@ -13,6 +13,11 @@ def test_table_agrees_with_gguf(name):
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[q.ggml_type]
     assert (q.block_values, q.block_bytes) == (block_values, block_bytes)
     span = q.qs_bytes * q.sub_blocks
+    if q.inline_meta:
+        # q3_K: each kernel block's 16 bytes hold all of it, at most 16 bytes a 32 weights
+        assert q.qs_bytes == 16 and q.meta_bytes == 0 and span >= q.block_bytes and q.two_scales
+        assert not q.super_meta and q.meta_stride(4096) == 0
+        return
     assert q.qs_bytes % 16 == 0 and 0 <= q.qs_offset and q.qs_offset + span <= q.block_bytes
     if q.own_meta_bytes:
         # each kernel block's meta of its own (q6_K: its high bits, two scales, d again):
@@ -64,6 +69,33 @@ def test_q6_k_split_layout_is_what_the_kernels_read(rng):
     d = m[..., 10:12].copy().view(np.float16).astype(np.float32)
     w = ((d * sc) * v.astype(np.float32)).reshape(rows, k)
     want = ref.dequantize(raw, "q6_K", (rows, k))
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
+
+
+def test_q3_k_split_layout_is_what_the_kernels_read(rng):
+    """The q3_K kernels' reading of a block's 16 bytes (quant_q3_K.cuh.j2, get_rows_q3_K),
+    written as the kernels' word operations: for lane i, ((lo >> 2i) << 5) & 0x60606060 |
+    (h << (7 - i)) & 0x80808080 (h << (3 - i) for values 16..31) is the int8 32 * (q - 4) of
+    values 4i..4i+3 of the half; (d * sc) * (q - 4) with the block's scale bytes is gguf's
+    dequantization bit for bit."""
+    q = quant_type("q3_K")
+    rows, k = 5, 768
+    raw = ref.random_blocks("q3_K", rows, k, rng)
+    qs, meta = split_blocks(raw, q, rows, k)
+    assert meta.size == 0
+    nb = k // 32
+    words = qs.reshape(rows, nb, 16).view(np.uint32).astype(np.uint64)               # (.., 4)
+    v = np.zeros((rows, nb, 32), dtype=np.int32)
+    for half in range(2):
+        for i in range(4):
+            w = (((words[..., half] >> (2 * i)) << 5) & 0x60606060) | ((words[..., 2] << (7 - i - 4 * half)) & 0x80808080)
+            as_int8 = (w & 0xFFFFFFFF).astype(np.uint32)[..., None].view(np.uint8).view(np.int8)
+            v[..., 16 * half + 4 * i:16 * half + 4 * i + 4] = as_int8.astype(np.int32)
+    assert not (v % 32).any() and v.min() >= -128 and v.max() <= 96
+    sc = np.repeat(qs.reshape(rows, nb, 16)[..., 12:14].view(np.int8).astype(np.float32), 16, axis=-1)
+    d = qs.reshape(rows, nb, 16)[..., 14:16].copy().view(np.float16).astype(np.float32)
+    w = ((d * sc) * (v // 32).astype(np.float32)).reshape(rows, k)
+    want = ref.dequantize(raw, "q3_K", (rows, k))
     assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
 
 
@@ -270,6 +302,22 @@ def _quantizer_writes_close_blocks(rng, q, bar):
     with pytest.raises(ValueError, match="k=320"):
         quantize(np.ones((2, 320), np.float32), q)
     return raw
+
+
+def test_q3_k_quantizer_writes_valid_close_blocks(rng):
+    """moeforge's own plain q3_K quantizer (gguf-py has none): within 3-bit rounding of the
+    input; the scales' 6-bit packing is the one gguf reads (q3_k_parts gives back the s - 32
+    it packed, each in [-32, 31]), and the largest 16 of a super-block gets s - 32 = -32."""
+    from moeforge.runtime.array_blocks import q3_k_parts
+    from moeforge.runtime.quantize import pack_q3_k
+    raw = _quantizer_writes_close_blocks(rng, quant_type("q3_K"), 0.25)
+    _, sc, _ = q3_k_parts(raw.reshape(-1, 110))
+    assert (sc.reshape(9, 3, 16)[[0, 2, 3, 4, 8]].min(axis=-1) == -32).all()
+    val = rng.integers(-4, 4, size=(6, 256)).astype(np.int8)
+    s = rng.integers(-32, 32, size=(6, 16)).astype(np.int8)
+    d = rng.integers(0, 256, size=(6, 2)).astype(np.uint8)
+    got_v, got_s, _ = q3_k_parts(pack_q3_k(val, s, d))
+    assert np.array_equal(got_v, val) and np.array_equal(got_s, s)
 
 
 def test_iq4_xs_quantizer_writes_valid_close_blocks(rng):

@@ -1,8 +1,8 @@
-"""Super-block weights (q4_K, q5_K, q6_K, iq4_xs) on the GPU: every MUL_MAT_ID path against
+"""Super-block weights (q3_K, q4_K, q5_K, q6_K, iq4_xs) on the GPU: every MUL_MAT_ID path against
 both references, and a model whose every matrix is of the type against the numpy backend
 that emulates the kernels (pytest -m gpu; the dense product and the fused gate/up take them
-in test_mul_mat_id and test_fused); also the mixes' models (Q5_K_M, iq4_xs with a q6_K
-head, MXFP4_MOE). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it
+in test_mul_mat_id and test_fused); also the mixes' models (Q3_K_M, Q5_K_M, iq4_xs with a
+q6_K head, MXFP4_MOE). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it
 can."""
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 
-@pytest.fixture(params=["q4_K", "q5_K", "q6_K", "iq4_xs"])
+@pytest.fixture(params=["q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs"])
 def Q(request):
     return request.param
 
@@ -87,7 +87,7 @@ def test_streamk_fixup_over_sm_counts(Q, rng):
 
 
 def test_embedding_rows_are_ggufs_dequantization(Q, tmp_path):
-    """get_rows_q4_K, _q5_K, _q6_K and _iq4_xs give gguf's own dequantized rows, bit for bit."""
+    """get_rows_q3_K, _q4_K, _q5_K, _q6_K and _iq4_xs give gguf's own dequantized rows, bit for bit."""
     import cupy as cp
     from moeforge.runtime.gguf_file import GGUFFile
     from moeforge.synth import preset, write_qwen3moe
@@ -122,6 +122,12 @@ def test_q5_k_m_model_matches_numpy_kernel_emulation(tmp_path):
     """llama.cpp's Q5_K_M mix (q5_K, q6_K for the head, attn_v and ffn_down in layer 1),
     every tensor run as it is; llama.cpp has no fixture of it (tests/fixtures/parity)."""
     _model_against_emulation(tmp_path, "q5_K_M", True)
+
+
+def test_q3_k_m_model_matches_numpy_kernel_emulation(tmp_path):
+    """llama.cpp's Q3_K_M mix (q3_K, q6_K for the head, attn_v q5_K in layers 0 and 1,
+    attn_output q4_K, ffn_down q4_K and q5_K), every tensor run as it is."""
+    _model_against_emulation(tmp_path, "q3_K_M", True)
 
 
 def test_iq4_xs_model_with_a_q6_k_head_matches_numpy_kernel_emulation(tmp_path):

@@ -149,7 +149,7 @@ def test_streamk_grid_sizes(rng, m, n):
         ops.device_info = real
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 100, 600])
 def test_mul_mat_dense(rng, qtype, n):
     import cupy as cp
