@@ -60,6 +60,9 @@ class QuantType:
     # A kernel block's scales ride in its own qs bytes (q3_K: 2-bit parts, high bits, two
     # scales and d in 16 bytes, 4 bits a weight): no meta region at all.
     inline_meta: bool = False
+    # Each 16 weights have a min as well as a scale (q2_K: w = d * sc * q - dmin * m): the
+    # kernels take a second integer dot, of the mins against the activations' 16-sums.
+    half_mins: bool = False
     # Formats whose 4-bit codes stand for levels: the int8 level of each code (iq4_xs's
     # lattice, mxfp4's doubled e2m1 values); empty where the quant is the value itself
     # (offset by the format's own rule).
@@ -93,7 +96,7 @@ class QuantType:
     def two_scales(self) -> bool:
         """Each kernel block has two int8 scales, one a 16 weights, folded into its integer
         dot as two k16 products (q6_K, q3_K); the float multiplier is d alone."""
-        return bool(self.own_meta_bytes) or self.inline_meta
+        return bool(self.own_meta_bytes) or (self.inline_meta and not self.half_mins)
 
     def codebook_words(self, bias: int = 0) -> tuple[int, ...]:
         """The codebook as four little-endian words of bytes level + bias (mod 256): the
@@ -174,6 +177,11 @@ QUANT_TYPES: dict[str, QuantType] = {
         # of sixteen 6-bit scales (one a 16 weights), d (f16); w = d * (s - 32) * (q - 4).
         # The split packs a kernel block's low parts, high bits, two scales and d into its
         # 16 qs bytes (quant_q3_K.cuh.j2): 4 bits a weight on the GPU, the file's 3.4375.
+        # super-block of 256: sixteen bytes of 4-bit (scale, min) pairs (one a 16 weights), 64
+        # bytes of 2-bit quants, d and dmin (f16); w = d * sc * q - dmin * m. The split packs
+        # a kernel block's quants, its two scale bytes, d and dmin into its 16 qs bytes
+        # (quant_q2_K.cuh.j2): 4 bits a weight on the GPU, the file's 2.625.
+        QuantType("q2_K", gguf.GGMLQuantizationType.Q2_K, 256, 84, 0, 16, inline_meta=True, half_mins=True),
         QuantType("q3_K", gguf.GGMLQuantizationType.Q3_K, 256, 110, 0, 16, inline_meta=True),
         # super-block of 256: 128 bytes of low nibbles (ql), 64 of 2-bit high parts (qh),
         # sixteen int8 scales (one a 16 weights), d (f16); w = d * sc * (q - 32). The split

@@ -124,7 +124,7 @@ class ModelSpec(KernelSpec):
         return f"attn_decode_h{width}"
 
     KERNELS: ClassVar[tuple[str, ...]] = (
-        "get_rows_q4_0", "get_rows_q8_0", "get_rows_q3_K", "get_rows_q4_K", "get_rows_q5_K", "get_rows_q6_K", "get_rows_iq4_xs", "rms_norm",
+        "get_rows_q4_0", "get_rows_q8_0", "get_rows_q2_K", "get_rows_q3_K", "get_rows_q4_K", "get_rows_q5_K", "get_rows_q6_K", "get_rows_iq4_xs", "rms_norm",
         "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128", "attn_decode_h256", *(f"attn_decode_gqa_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         *(f"attn_decode_gqa_tc_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route", "router_route_cluster",
@@ -391,7 +391,7 @@ class MmfSpec(KernelSpec):
     ids: bool = True
     wn: int = 1          # warps along the tile's tokens (the others split its rows)
     splits: int = 1      # blocks sharing an output tile's k (partials summed in order by mmf_split_sum)
-    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4")
+    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
 
     @property

@@ -51,9 +51,11 @@ def floor_us(qtype: str, shape, ids: np.ndarray, bw_gbs: float, cc: str) -> floa
 
 
 def sweep_choices(qtype: str, shape, n: int):
-    """Candidates around the tokens each expert receives (a tuner in miniature)."""
-    from .codegen.enumerate import MMQ_KBLOCKS, MMQ_STAGES, MMQ_X, MMQ_YW, MMVQ_ROWS, MMVQ_WARPS
-    from .codegen.spec import MmqSpec, MmvqSpec
+    """Candidates around the tokens each expert receives (a tuner in miniature): mat-vecs
+    up to 32 tokens, int8 tiles around the tokens an expert, and every generated f16 tile."""
+    from .codegen.enumerate import MMF_TILES, MMQ_KBLOCKS, MMQ_STAGES, MMQ_X, MMQ_YW, MMVQ_ROWS, MMVQ_WARPS
+    from .codegen.quant import quant_type
+    from .codegen.spec import MmfSpec, MmqSpec, MmvqSpec
     from .runtime.dispatch import MMVQ_MAX_TOKENS, Choice
     E, top_k, m, k = shape
     out = []
@@ -71,6 +73,10 @@ def sweep_choices(qtype: str, shape, n: int):
     xs = [x for x in MMQ_X if per / 4 <= x <= max(8, per * 2)] or [8]
     out += [Choice("mmq_id", MmqSpec(qtype, x=x, y=y, warps=w, kblocks=kb, stages=s, stream_k=sk))
             for x in xs for (y, w) in MMQ_YW for kb in MMQ_KBLOCKS for s in MMQ_STAGES for sk in (True, False)]
+    if qtype in MmfSpec.QTYPES and n > MMVQ_MAX_TOKENS:   # the f16 tiles the tuner may choose
+        q = quant_type(qtype)
+        out += [Choice("mmf_id", MmfSpec(qtype, x, y, w, q.whole_kblocks(kb), st, ids=True))
+                for x, y, w, kb, st in MMF_TILES]
     return out
 
 
@@ -98,7 +104,8 @@ def _choices(mode: str, qtype: str, shape, n: int):
             out.append(dispatch.Choice("per_expert", MmqSpec(qtype, x=64, y=64, warps=4, stages=3,
                                                              ids=False, stream_k=False)))
         elif p == "mmf_id" and qtype in MmfSpec.QTYPES:
-            out.append(dispatch.Choice("mmf_id", dispatch.mmf_rule_spec(qtype, n, True, None, dispatch.device_sm_count())))
+            out.append(dispatch.Choice("mmf_id", dispatch.mmf_rule_spec(qtype, n, True, None, dispatch.device_sm_count(),
+                                                                         n * top_k / E)))
         elif p not in dispatch.PATHS or p == "mmf":
             raise ValueError(f"unknown expert-product path {p!r}; choose from mmvq, mmq_id, per_expert, mmf_id")
     return out

@@ -7,7 +7,7 @@ import sys
 import time
 
 # synth.TYPES and synth.ARCHS, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
-SYNTH_TYPES = ("q4_0", "q8_0", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe", "f16", "f32")
+SYNTH_TYPES = ("q4_0", "q8_0", "q2_K", "q2_K_mix", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe", "f16", "f32")
 SYNTH_ARCHS = ("qwen3moe", "gpt-oss")
 # without --preset: each architecture's real model; without --type: the type it ships in
 # (gpt-oss: llama.cpp's MXFP4_MOE, mxfp4 experts as OpenAI released them, q8_0 elsewhere)
@@ -119,9 +119,9 @@ def add_commands(sub) -> None:
                         "whole K-quant super-blocks); gpt-oss: gpt-oss-20b (the default with --arch gpt-oss) "
                         "or tiny-oss")
     s.add_argument("--type", default=None, choices=SYNTH_TYPES,
-                   help="type of every matrix, or q3_K_M / q4_K_M / q5_K_M: llama.cpp's mixes (q3_K, q4_K "
-                        "or q5_K; q6_K for the head; more bits for attn_v and ffn_down in some layers, and "
-                        "q4_K attn_output in Q3_K_M), or mxfp4_moe: llama.cpp's "
+                   help="type of every matrix, or q3_K_M / q4_K_M / q5_K_M / q2_K_mix: llama.cpp's mixes "
+                        "Q3_K_M, Q4_K_M, Q5_K_M and Q2_K (q6_K for the head; more bits for attn_v, "
+                        "attn_output and ffn_down in some layers: synth.mix_types), or mxfp4_moe: llama.cpp's "
                         "MXFP4_MOE (mxfp4 experts, q8_0 elsewhere). Default: q4_0 for qwen3moe, mxfp4_moe for "
                         "gpt-oss (the format it is released in)")
     s.add_argument("--embd-type", default=None, help="type of token_embd (default: --type)")

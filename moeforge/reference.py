@@ -83,6 +83,16 @@ def _kernel_view(raw: np.ndarray, q: QuantType, rows: int, k: int):
         ints = qv.astype(np.int32).reshape(-1, 16, 16) * sc.astype(np.int32)[..., None]
         mul = np.repeat(d6.reshape(rows, nsb), 8, axis=1)
         return ints.reshape(rows, k), mul, np.zeros_like(mul)
+    if q.name == "q2_K":
+        # Its mins are per 16 weights, finer than the offset form's 32 (contribution = mul *
+        # dx * idot + add * sx): the "ints" are the exact weights d * sc * q - dmin * m
+        # (float64: 11 x 4 x 2 bits and 11 x 4, exact), mul 1. The kernels' two integer dots
+        # combined in float32 differ from that by float32 rounding, as every format's do.
+        from .runtime.array_blocks import q2_k_parts
+        qv, sc, mn, d2, m2 = q2_k_parts(blocks.reshape(rows * nsb, q.block_bytes))
+        w = (d2.astype(np.float64) * sc)[..., None] * qv.reshape(-1, 16, 16) - (m2.astype(np.float64) * mn)[..., None]
+        mul = np.ones((rows, nb), dtype=np.float32)
+        return w.reshape(rows, k), mul, np.zeros_like(mul)
     if q.name == "q3_K":
         # as q6_K: the two scales folded into the integer dot, d alone the multiplier
         from .runtime.array_blocks import q3_k_parts
@@ -161,6 +171,14 @@ def f16_weights(raw: np.ndarray, qtype, rows: int, k: int) -> np.ndarray:
     q = _q(qtype)
     if q.name not in MmfSpec.QTYPES:
         raise ValueError(f"{q.name} has no f16 tiles (MmfSpec.QTYPES)")
+    if q.name == "q2_K":
+        # q * f16(d * sc) - f16(dmin * m), rounded once (the kernel's f16 fma)
+        from .runtime.array_blocks import q2_k_parts
+        nsb = k // q.block_values
+        qv, sc, mn, d2, m2 = q2_k_parts(np.asarray(raw, dtype=np.uint8).reshape(rows * nsb, q.block_bytes))
+        s = (d2.astype(np.float64) * sc).astype(np.float16).astype(np.float64)[..., None]
+        m = (m2.astype(np.float64) * mn).astype(np.float16).astype(np.float64)[..., None]
+        return (qv.reshape(-1, 16, 16).astype(np.float64) * s - m).astype(np.float16).reshape(rows, k)
     if q.name == "q3_K":
         # (q - 4) * f16(d * sc), the product rounded once (the kernel's f16 multiply)
         from .runtime.array_blocks import q3_k_parts
@@ -220,14 +238,17 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     if q.name == "mxfp4":   # e8m0 scales 2^-11..2^-6 times levels up to 12: q4_0's weights
         blocks[:, :, 0] = rng.integers(117, 123, size=(rows, nb))
         return blocks.reshape(rows, nb * q.block_bytes)
-    # the f16 scales: q4_K's and q5_K's d, then dmin, at the block's start; q3_K's and q6_K's d at its end
-    where = {"q4_K": (0, 2), "q5_K": (0, 2), "q3_K": (108,), "q6_K": (208,)}.get(q.name, (0,))
+    # the f16 scales: q4_K's and q5_K's d, then dmin, at the block's start; q2_K's d and dmin,
+    # q3_K's and q6_K's d at its end
+    where = {"q4_K": (0, 2), "q5_K": (0, 2), "q2_K": (80, 82), "q3_K": (108,), "q6_K": (208,)}.get(q.name, (0,))
     for at in where:
         d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb)))
         if q.name == "q4_K":
             d /= 32   # times 6-bit sub-block scales and mins: weights of the same size
         if q.name == "q5_K":
             d /= 64   # the same, with quants up to 31
+        if q.name == "q2_K":
+            d /= 2    # times 4-bit scales and quants up to 3 (mins up to 15): the same
         if q.name == "q3_K":
             d /= 16   # times s - 32 and q - 4 (up to 128): the same
         if q.name == "q6_K":

@@ -24,20 +24,21 @@ from .synth_vocab import add_tokenizer
 
 ARCHS = ("qwen3moe", "gpt-oss")
 # q3_K_M, q4_K_M, q5_K_M: llama.cpp's mixes of those names (q3_K, q4_K or q5_K, with more
-# bits in places: see mix_types); q6_K also for every matrix, or as --output-type/--embd-type
+# bits in places: see mix_types); q2_K_mix: llama.cpp's Q2_K (q2_K every matrix is
+# "q2_K"); q6_K also for every matrix, or as --output-type/--embd-type
 # (llama.cpp's Q4_0 files keep a q6_K head); iq4_xs every matrix (llama.cpp's IQ4_XS mix
 # gives attn_v q5_K and the head q6_K: --output-type q6_K comes close); mxfp4_moe as
 # llama.cpp's MXFP4_MOE (mxfp4 has kernels for the expert products only)
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs",
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q2_K", "q2_K_mix", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs",
          "mxfp4_moe")
-TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
+TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
 # the base type of each mix
-MIXES = {"q3_K_M": "q3_K", "q4_K_M": "q4_K", "q5_K_M": "q5_K"}
+MIXES = {"q2_K_mix": "q2_K", "q3_K_M": "q3_K", "q4_K_M": "q4_K", "q5_K_M": "q5_K"}
 # llama.cpp's MXFP4_MOE: the expert tensors mxfp4, every other matrix q8_0
 EXPERT_MIXES = {"mxfp4_moe": ("mxfp4", "q8_0")}
 # llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K (q5_K, iq4_xs) is closest to Q4_K_S
 # (Q5_K_S, IQ4_XS)
-FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q3_K": 11, "q3_K_M": 12, "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17,
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q2_K": 10, "q2_K_mix": 10, "q3_K": 11, "q3_K_M": 12, "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17,
              "q6_K": 18, "iq4_xs": 30, "mxfp4_moe": 38}
 
 
@@ -93,13 +94,17 @@ def more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def mix_types(mix: str, base: str, i: int, n: int) -> tuple[str, str, str]:
+def mix_types(mix: str, base: str, i: int, n: int, n_gqa: int = 1) -> tuple[str, str, str]:
     """(attn_v, attn_output, ffn_down) of layer i of n in llama.cpp's mix (llama-quant.cpp's
     rules for an MoE without 8 experts): Q4_K_M and Q5_K_M give attn_v and ffn_down q6_K in
     the more_bits layers; Q3_K_M gives attn_v q5_K in the first two layers and q4_K after,
-    attn_output q4_K, ffn_down q5_K in the first sixteenth and q4_K after."""
+    attn_output q4_K, ffn_down q5_K in the first sixteenth and q4_K after; Q2_K gives
+    attn_output and ffn_down q3_K and attn_v q4_K where 4 or more query heads share a key
+    head (q3_K otherwise)."""
     if mix == "q3_K_M":
         return "q5_K" if i < 2 else "q4_K", "q4_K", "q5_K" if i < n // 16 else "q4_K"
+    if mix == "q2_K_mix":
+        return ("q4_K" if n_gqa >= 4 else "q3_K"), "q3_K", "q3_K"
     more = "q6_K" if more_bits(i, n) else base
     return more, base, more
 
@@ -120,7 +125,7 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
             [] if tied_output else [("output.weight", (s.n_vocab, d), output_type or qtype)])
     for i in range(s.n_layer):
         b = f"blk.{i}."
-        wv, wo, down = mix_types(mix, qtype, i, s.n_layer) if mix else (qtype, qtype, qtype)
+        wv, wo, down = mix_types(mix, qtype, i, s.n_layer, s.n_head // s.n_head_kv) if mix else (qtype, qtype, qtype)
         plan += [
             (b + "attn_norm.weight", (d,), "f32"),
             (b + "attn_q.weight", (s.n_head * s.head_dim, d), qtype),
@@ -234,6 +239,9 @@ class _Weights:
             b[:, 8::16] |= 0x0F   # level 113; its scale ls - 32 made positive (ls's top bit and a
             b[:, 2:4] |= 0xAA     # low nibble of at least 1)
             b[:, 4:8] |= 0x11
+        elif t == "q2_K":   # value 0 of block 4n+j: bits 2j of qs[32n] (q = 3); its scale
+            b[:, 16:80:32] = 0xFF   # sc[8n + 2j] 15 and its min 0
+            b[:, 0:16:2] = 0x0F
         elif t == "q3_K":   # value 0 of block 4n+j: bits 2j of qs[32n] and bit 4n+j of hmask[0]
             b[:, 0] = 0xFF      # (q - 4 = 3); every scale s - 32 made positive (top bits 2, a
             b[:, 32:96:32] = 0xFF   # low nibble of at least 1)

@@ -36,13 +36,22 @@ def scale_min_k4(packed, xp=np):
     return sc, mn
 
 
+def q2_k_parts(blocks, xp=np):
+    """q2_K super-blocks (n, 84) -> (quants 0..3 as uint8 (n, 256) in weight order, the
+    sixteen scales and mins 0..15 as uint8 (n, 16) each, one a 16 weights, d and dmin as
+    float32 (n, 1)); the split and the reference read them here too."""
+    n = blocks.shape[0]
+    scales = blocks[:, :16]
+    q = _bits(blocks[:, 16:80], n, 32, 2, xp).reshape(n, 256)
+    return q, scales & 0xF, scales >> 4, _f16(blocks[:, 80:82], xp), _f16(blocks[:, 82:84], xp)
+
+
 def dequantize_q2_k(blocks, xp=np):
     n = blocks.shape[0]
-    scales, qs, d, dmin = blocks[:, :16], blocks[:, 16:80], _f16(blocks[:, 80:82], xp), _f16(blocks[:, 82:84], xp)
-    dl = (d * (scales & 0xF).astype(xp.float32)).reshape(n, 16, 1)
-    ml = (dmin * (scales >> 4).astype(xp.float32)).reshape(n, 16, 1)
-    q = _bits(qs, n, 32, 2, xp).reshape(n, 16, 16).astype(xp.float32)
-    return (dl * q - ml).reshape(n, 256)
+    q, sc, mn, d, dmin = q2_k_parts(blocks, xp)
+    dl = (d * sc.astype(xp.float32)).reshape(n, 16, 1)
+    ml = (dmin * mn.astype(xp.float32)).reshape(n, 16, 1)
+    return (dl * q.reshape(n, 16, 16).astype(xp.float32) - ml).reshape(n, 256)
 
 
 def q3_k_parts(blocks, xp=np):

@@ -1,11 +1,12 @@
 """GGUF types moeforge has no kernels for, converted to q8_0 as they load.
 
 Real files mix types: llama.cpp's Q4_K_M is q4_K with q6_K in places, Q5_K_M q5_K with
-q6_K, IQ4_XS iq4_xs with q5_K and q6_K, Q3_K_M q3_K with q4_K, q5_K and q6_K (all have
-kernels), and other mixes bring q2_K or the other i-quants. Such a file is not refused: each tensor of a type gguf can
+q6_K, IQ4_XS iq4_xs with q5_K and q6_K, Q3_K_M q3_K with q4_K, q5_K and q6_K, Q2_K q2_K with
+q3_K, q4_K and q6_K (all have kernels), and other mixes bring q4_1, q5_0 or the other
+i-quants. Such a file is not refused: each tensor of a type gguf can
 dequantize is dequantized with gguf's reference dequantizer and requantized to q8_0 with
-gguf's reference quantizer (ggml's quantize_row_q8_0): q2_K (and q3_K, q5_K, q6_K and
-iq4_xs when MOEFORGE_CONVERT asks) on the device when the GPU loads them, with the same bits
+gguf's reference quantizer (ggml's quantize_row_q8_0): the K-quants and iq4_xs (only when
+MOEFORGE_CONVERT asks: they have kernels) on the device when the GPU loads them, with the same bits
 (array_blocks), the rest on the host, in chunks of blocks spread over threads (numpy lets go
 of the GIL in its loops). q8_0 is the most precise format the kernels take: a weight moves
 by at most half a q8_0 step (a block's largest magnitude / 254). Both backends load the
@@ -24,13 +25,13 @@ from . import array_blocks
 
 TARGET = "q8_0"
 # ggml names of the types converted (those gguf's dequantizer knows and the kernels do not)
-FOREIGN = ("q4_1", "q5_0", "q5_1", "q2_K", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs",
+FOREIGN = ("q4_1", "q5_0", "q5_1", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs",
            "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "tq1_0", "tq2_0")
 CHUNK_WEIGHTS = 1 << 18   # per task: ~1 MB of float32, small enough that threads do not queue on fresh mmaps
 # Types with kernels of their own that a user may still have converted (MOEFORGE_CONVERT=q6_K:
-# to compare a file's speed and numerics with and without them); the first four ran as
+# to compare a file's speed and numerics with and without them); all but mxfp4 ran as
 # q8_0 before they had kernels (mxfp4 was refused).
-CONVERTIBLE = ("q3_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
+CONVERTIBLE = ("q2_K", "q3_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
 
 
 def converted_types() -> tuple[str, ...]:

@@ -131,11 +131,20 @@ MMF_WIDE_TILE = (128, 128, 4, 4, 2)   # x, y, warps, kblocks, stages
 MMF_MAX_SPLITS = 4
 MMF_MIN_TOKENS_PER_EXPERT = 256
 # Formats whose int8 tiles pay more a block, so that the f16 tiles win from fewer tokens an
-# expert. q3_K: two k16 products a block and its scales folded into the integer sums (as
-# q6_K's); H200, hot, Qwen3 experts, 128-token f16 tiles against the default int8 ones:
-# n=512 (32 an expert) 228.4 against 159.5 us, n=1024 (64) 230.5 against 261.1, n=2048 357.5
-# against 451.1, n=4096 590.1 against 968.2 (BENCHMARKS.md, "q3_K kernels").
-MMF_MIN_TOKENS_PER_EXPERT_OF = {"q3_K": 64}
+# expert (with the narrower tiles below 64, MMF_NARROW_TILES). q3_K: two k16 products a block and its scales folded into the integer sums (as
+# q6_K's); q2_K: a second product a block, of its mins. H200, hot, Qwen3 experts, 128-token
+# f16 tiles against the default int8 ones (BENCHMARKS.md, "q3_K kernels", "q2_K kernels"):
+# q3_K n=512 (32 an expert) 228.4 against 159.5 us, n=1024 (64) 230.5 against 261.1, n=2048
+# 357.5 against 451.1, n=4096 590.1 against 968.2; q2_K 229.5 against 178.9, 234.0 against
+# 289.2, 357.7 against 514.6, 594.2 against 1123.9.
+MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16}
+# Below 64 tokens an expert the wide tile is mostly empty: narrower f16 tiles (x, y, warps,
+# kblocks, stages), each below its count of tokens an expert. H200, hot, Qwen3 experts,
+# against the int8 tiles' default: n=256 (16 an expert) x32y256 q2_K 99.4 against 125.5 us,
+# q3_K 95.0 against 108.5; n=512 (32) x64y256 143.4 against 177.7, 141.2 against 156.7; at
+# n=1024 the wide tile and x64y256 tie (232.7 and 233.4). q4_0's int8 tiles beat all of them
+# up to n=1024 (76.6 against 87.5 us at n=256): its rule keeps 256 tokens an expert.
+MMF_NARROW_TILES = ((32, (32, 256, 8, 8, 2)), (64, (64, 256, 8, 4, 3)))
 MMF_CC_MAJOR = (9,)
 
 
@@ -186,7 +195,9 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     Qwen3 experts n=4096 816.3 -> 716.1 us, at 128 an expert 386.0 against 428.2, and the
     model's pp512 +6%. A profile entry whose study timed the f16 tiles as well
     overrides this (choose_mul_mat*); the shipped profiles predate them. On other cards the
-    int8 tiles stay unless a profile says otherwise."""
+    int8 tiles stay unless a profile says otherwise. q2_K and q3_K, whose int8 tiles pay two
+    IMMA a fragment, take the f16 tiles from 16 tokens an expert, narrower ones below 64
+    (MMF_MIN_TOKENS_PER_EXPERT_OF, MMF_NARROW_TILES)."""
     if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
         return None
     ids = tokens_per_expert is not None
@@ -195,13 +206,19 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
         return None
     if _device_cc_major() not in MMF_CC_MAJOR:
         return None
-    return Choice("mmf_id" if ids else "mmf", mmf_rule_spec(qtype, n, ids, m, device_sm_count()), "rule")
+    return Choice("mmf_id" if ids else "mmf", mmf_rule_spec(qtype, n, ids, m, device_sm_count(), tokens_per_expert),
+                  "rule")
 
 
-def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int) -> MmfSpec:
-    """The rule's tile on a card of sm_count SMs (a dense product of m rows may split k)."""
+def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
+                  tokens_per_expert: float | None = None) -> MmfSpec:
+    """The rule's tile on a card of sm_count SMs (a dense product of m rows may split k; an
+    expert product of few tokens an expert takes a narrower tile, MMF_NARROW_TILES)."""
     splits = mmf_dense_splits(n, m, sm_count) if not ids and m is not None else 1
     x, y, warps, kblocks, stages = MMF_WIDE_TILE
+    if ids and tokens_per_expert is not None:
+        x, y, warps, kblocks, stages = next((t for below, t in MMF_NARROW_TILES if tokens_per_expert < below),
+                                            MMF_WIDE_TILE)
     return MmfSpec(qtype, x, y, warps, quant_type(qtype).whole_kblocks(kblocks), stages, ids=ids, splits=splits)
 
 

@@ -1,6 +1,6 @@
 """Float weights -> GGUF blocks: gguf's reference quantizers where it has one, our own for
-the formats it lacks (gguf-py dequantizes q3_K, q4_K, q5_K, q6_K and iq4_xs but cannot
-quantize them).
+the formats it lacks (gguf-py dequantizes q2_K, q3_K, q4_K, q5_K, q6_K and iq4_xs but
+cannot quantize them).
 
 The q4_K and q5_K quantizers are plain ones, not ggml's (which searches each sub-block's
 scale and min to minimise the error): per 32-weight sub-block the range [min(0, lo), hi] is
@@ -27,6 +27,8 @@ def quantize(x: np.ndarray, q: QuantType) -> np.ndarray:
         return quantize_q5_k(x)
     if q.name == "iq4_xs":
         return quantize_iq4_xs(x)
+    if q.name == "q2_K":
+        return quantize_q2_k(x)
     if q.name == "q3_K":
         return quantize_q3_k(x)
     if q.name == "q6_K":
@@ -121,6 +123,32 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     out[..., 192:208] = sc.view(np.uint8)
     out[..., 208:210] = d.view(np.uint8).reshape(rows, nsb, 2)
     return out.reshape(rows, nsb * 210)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """Float rows (rows, k), k a multiple of 256 -> q2_K blocks (rows, k // 256 * 84), uint8.
+    A plain quantizer like quantize_q4_k: each 16 weights' range [min(0, lo), hi] spread over
+    the 4 levels, the super-block's d and dmin the largest scale and offset over 15, so that
+    every 4-bit scale and min fits."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, k = x.shape
+    nsb = k // 256
+    grp = x.reshape(rows * nsb, 16, 16).astype(np.float64)
+    lo = np.minimum(grp.min(axis=-1), 0.0)
+    scale = (grp.max(axis=-1) - lo) / 3.0                                         # (blocks, 16)
+    d = (scale.max(axis=-1) / 15.0).astype(np.float16)
+    dmin = (-lo.min(axis=-1) / 15.0).astype(np.float16)
+    d64, m64 = d.astype(np.float64)[..., None], dmin.astype(np.float64)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d64 > 0, np.rint(scale / d64), 0).clip(0, 15).astype(np.uint8)
+        mn = np.where(m64 > 0, np.rint(-lo / m64), 0).clip(0, 15).astype(np.uint8)
+        step = (d64 * sc)[..., None]
+        qv = np.where(step > 0, np.rint((grp + (m64 * mn)[..., None]) / step), 0).clip(0, 3).astype(np.uint8)
+    q = qv.reshape(-1, 2, 4, 32)                                                  # (n, j, l)
+    qs = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    out = np.concatenate([sc | (mn << 4), qs.reshape(-1, 64), d.view(np.uint8).reshape(-1, 2),
+                          dmin.view(np.uint8).reshape(-1, 2)], axis=-1)
+    return out.reshape(rows, nsb * 84)
 
 
 def quantize_q3_k(x: np.ndarray) -> np.ndarray:

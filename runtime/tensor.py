@@ -26,7 +26,8 @@ def split_blocks(raw, q: QuantType, rows: int, k: int):
     span = q.qs_bytes * q.sub_blocks
     blocks = xp.ascontiguousarray(raw).reshape(rows, nsb, q.block_bytes)
     if q.inline_meta:
-        qs, own = _split_q3_k(blocks, xp), xp.zeros((rows, 0), dtype=xp.uint8)
+        split = _split_q2_k if q.half_mins else _split_q3_k
+        qs, own = split(blocks, xp), xp.zeros((rows, 0), dtype=xp.uint8)
     elif q.own_meta_bytes:
         qs, own = _split_q6_k(blocks, xp)
     else:
@@ -54,7 +55,8 @@ def join_blocks(qs: np.ndarray, meta: np.ndarray, q: QuantType, rows: int, k: in
     nb = q.blocks_per_row(k)
     nsb = nb // q.sub_blocks
     if q.inline_meta:
-        return _join_q3_k(qs.reshape(rows, nsb, q.sub_blocks, q.qs_bytes)).reshape(rows, nsb * q.block_bytes)
+        join = _join_q2_k if q.half_mins else _join_q3_k
+        return join(qs.reshape(rows, nsb, q.sub_blocks, q.qs_bytes)).reshape(rows, nsb * q.block_bytes)
     if q.own_meta_bytes:
         own = meta[:, :nb * q.meta_bytes].reshape(rows, nsb, q.sub_blocks, q.meta_bytes)
         return _join_q6_k(qs.reshape(rows, nsb, q.sub_blocks, q.qs_bytes), own).reshape(rows, nsb * q.block_bytes)
@@ -147,26 +149,39 @@ def _join_q6_k(qs: np.ndarray, meta: np.ndarray) -> np.ndarray:
                            meta[..., 8:10].reshape(*lead, 16), meta[..., 0, 10:12]], axis=-1)
 
 
+def _low_words(low, xp=np):
+    """2-bit parts (.., 32) of a kernel block's values -> its first two words (.., 8): word h
+    holds value 16h + 4i + b at byte b, bits 2i+1..2i (quant_q3_K.cuh.j2, quant_q2_K.cuh.j2),
+    so that lane i's four values of a half are one shift and one mask away."""
+    v = low.reshape(*low.shape[:-1], 2, 4, 4)                                      # (h, i, b)
+    return (v[..., 0, :] | (v[..., 1, :] << 2) | (v[..., 2, :] << 4) | (v[..., 3, :] << 6)).reshape(*low.shape[:-1], 8)
+
+
+def _low_parts(words: np.ndarray) -> np.ndarray:
+    """The inverse of _low_words: (.., 8) -> (.., 32)."""
+    shifts = np.arange(0, 8, 2, dtype=np.uint8).reshape(4, 1)
+    w = words.reshape(*words.shape[:-1], 2, 1, 4)
+    return ((w >> shifts) & 3).reshape(*words.shape[:-1], 32)
+
+
 def _split_q3_k(blocks, xp=np):
     """q3_K super-blocks (.., 110) -> 16 bytes a kernel block (.., 8, 16), everything in
     them (quant_q3_K.cuh.j2). Kernel block j = 4n + p holds ggml's weights 128n + 32p + v,
-    v = 16h + 4i + b (h: which 16, i: the word lane, b: the byte): word h (h = 0, 1) has the
-    low two bits of q - 4 of value 16h + 4i + b at byte b, bits 2i+1..2i; word 2 byte b bit
-    4h + i its bit 2 (set where ggml's hmask bit is clear: q - 4 in 3-bit two's complement);
-    bytes 12 and 13 the scales s - 32 of values 0..15 and 16..31 as int8; bytes 14, 15 d."""
+    v = 16h + 4i + b: words 0 and 1 the low two bits of q - 4 (_low_words); word 2 byte b,
+    bit 4h + i its bit 2 (set where ggml's hmask bit is clear: q - 4 in 3-bit two's
+    complement); bytes 12 and 13 the scales s - 32 of values 0..15 and 16..31 as int8; 14, 15 d."""
     from .array_blocks import q3_k_parts
     lead = blocks.shape[:-1]
     flat = blocks.reshape(-1, 110)
     val, sc, _ = q3_k_parts(flat, xp)
-    u = val.view(xp.uint8).reshape(-1, 8, 2, 4, 4)                   # (block, h, i, b)
-    low, top = u & 3, (u >> 2) & 1
-    lows = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
+    u = val.view(xp.uint8).reshape(-1, 8, 32)
+    top = ((u >> 2) & 1).reshape(-1, 8, 2, 4, 4)                                  # (block, h, i, b)
     tops = xp.zeros((flat.shape[0], 8, 4), dtype=xp.uint8)
     for h in range(2):
         for i in range(4):
             tops |= top[:, :, h, i] << (4 * h + i)
     d = xp.broadcast_to(flat[:, None, 108:110], (flat.shape[0], 8, 2))
-    out = xp.concatenate([lows.reshape(-1, 8, 8), tops, sc.view(xp.uint8).reshape(-1, 8, 2), d], axis=-1)
+    out = xp.concatenate([_low_words(u & 3, xp), tops, sc.view(xp.uint8).reshape(-1, 8, 2), d], axis=-1)
     return out.reshape(*lead, 8, 16)
 
 
@@ -176,12 +191,38 @@ def _join_q3_k(qs: np.ndarray) -> np.ndarray:
     lead = qs.shape[:-2]
     b = qs.reshape(-1, 8, 16)
     n = b.shape[0]
-    shifts = np.arange(0, 8, 2, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-    low = (b[:, :, :8].reshape(n, 8, 2, 1, 4) >> shifts) & 3                       # (block, h, i, b)
+    low = _low_parts(b[:, :, :8]).reshape(n, 8, 2, 4, 4)                           # (block, h, i, b)
     top = (b[:, :, None, None, 8:12] >> np.arange(8, dtype=np.uint8).reshape(1, 1, 2, 4, 1)) & 1
     val = low.astype(np.int8) - (top << 2).astype(np.int8)
     sc = b[:, :, 12:14].view(np.int8).reshape(n, 16)
     return pack_q3_k(val.reshape(n, 256), sc, b[:, 0, 14:16]).reshape(*lead, 110)
+
+
+def _split_q2_k(blocks, xp=np):
+    """q2_K super-blocks (.., 84) -> 16 bytes a kernel block (.., 8, 16), everything in them
+    (quant_q2_K.cuh.j2). Kernel block j = 4n + p holds ggml's weights 128n + 32p + v: words 0
+    and 1 their quants (_low_words), bytes 8 and 9 the (scale, min) bytes of values 0..15 and
+    16..31 as in the file (scale in the low nibble), 10 and 11 zero, then d and dmin."""
+    from .array_blocks import q2_k_parts
+    lead = blocks.shape[:-1]
+    flat = blocks.reshape(-1, 84)
+    n = flat.shape[0]
+    q = q2_k_parts(flat, xp)[0].reshape(n, 8, 32)
+    sc = flat[:, :16].reshape(n, 8, 2)
+    pad = xp.zeros((n, 8, 2), dtype=xp.uint8)
+    dd = xp.broadcast_to(flat[:, None, 80:84], (n, 8, 4))
+    return xp.concatenate([_low_words(q, xp), sc, pad, dd], axis=-1).reshape(*lead, 8, 16)
+
+
+def _join_q2_k(qs: np.ndarray) -> np.ndarray:
+    """The inverse of _split_q2_k: (.., 8, 16) -> (.., 84)."""
+    lead = qs.shape[:-2]
+    b = qs.reshape(-1, 8, 16)
+    n = b.shape[0]
+    q = _low_parts(b[:, :, :8]).reshape(n, 2, 4, 32)                               # (n, j, l)
+    packed = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    out = np.concatenate([b[:, :, 8:10].reshape(n, 16), packed.reshape(n, 64), b[:, 0, 12:16]], axis=-1)
+    return out.reshape(*lead, 84)
 
 
 def _numel(shape) -> int:

@@ -44,9 +44,9 @@ def generated(tmp_path_factory):
 
 
 FULL_ARCHS = ("sm_80", "sm_90")   # the templates' two code paths (see compile_plan)
-SAMPLE_EVERY = 8        # sm_80's share of the instances beyond its branch signatures
-SUPER_TILE_EVERY = 4    # sm_90's share of the super-block and codebook formats' int8 tiles beyond those
-MATVEC_EVERY = 2        # sm_90's share of the mat-vecs beyond those
+SAMPLE_EVERY = 12       # sm_80's share of the instances beyond its branch signatures
+SUPER_TILE_EVERY = 6    # sm_90's share of the super-block and codebook formats' int8 tiles beyond those
+MATVEC_EVERY = 4        # sm_90's share of the mat-vecs beyond those
 OTHER_ARCH_EVERY = 32   # sm_86's and sm_89's: sm_80's code under another target
 TILE_SIZES = ("x", "y", "warps", "kblocks", "stages", "tokens", "rows")
 
@@ -66,13 +66,15 @@ def compile_plan() -> dict:
     tile sizes (x, y, warps, kblocks, stages; a mat-vec's tokens and rows) are #defines the
     branches are written over. Both build one instance of every branch signature and every
     instance a shipped profile or the dispatch defaults name. Beyond those, sm_90 builds every
-    f16 tile and model instance, every int8 tile of the 32-weight formats, a fixed quarter of
-    the super-block and codebook formats' (q3_K, q4_K, q5_K, q6_K, iq4_xs, mxfp4: 280 each, the
-    slowest to compile) and a fixed half of the mat-vecs (337 a format; q8_0's all); sm_80 the f16 tiles
-    and model instances of the 32-weight formats and a fixed eighth of the rest; sm_86 and
-    sm_89, which compile sm_80's path, a fixed 32nd. With every instance on sm_90 the test
+    f16 tile and model instance, every int8 tile of the 32-weight formats, a fixed sixth of
+    the super-block and codebook formats' (q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs, mxfp4: 280
+    each, the slowest to compile) and a fixed quarter of the mat-vecs (q8_0's all); sm_80 the
+    f16 tiles and model instances of the 32-weight formats and a fixed twelfth of the rest; sm_86
+    and sm_89, which compile sm_80's path, a fixed 32nd. With every instance on sm_90 the test
     took ~21 of CI's 27 minutes on 2 cores once q5_K's 636 instances came; with every
-    mat-vec on sm_90 and sm_80's 32-weight ones, CI took 27 again once gpt-oss came."""
+    mat-vec on sm_90 and sm_80's 32-weight ones, CI took 27 again once gpt-oss came; q3_K and
+    q2_K (~600 instances each) came with a quarter of the tiles, half of the mat-vecs and an
+    eighth of sm_80's rest sampled before, and would have taken CI past 30 minutes."""
     from moeforge.codegen.compile import ARCHS
     from moeforge.codegen.enumerate import all_specs
     from moeforge.codegen.quant import parse_types

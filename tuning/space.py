@@ -266,7 +266,8 @@ def seeds(space: Space) -> list[Choice]:
             spec = dispatch.default_mmvq(k.qtype, k.n, ids=k.op == "mul_mat_id")
         elif path in F16_PATHS:
             ids = path == "mmf_id"
-            spec = dispatch.mmf_rule_spec(k.qtype, k.n, ids, None if ids else k.shape[2], dispatch.device_sm_count())
+            spec = dispatch.mmf_rule_spec(k.qtype, k.n, ids, None if ids else k.shape[2], dispatch.device_sm_count(),
+                                          k.tokens_per_expert if ids else None)
         else:
             t = k.tokens_per_expert if path != "mmq" else k.n
             spec = dispatch.default_mmq(k.qtype, t, ids=path == "mmq_id")

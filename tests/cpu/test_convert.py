@@ -118,6 +118,25 @@ def test_q3_k_m_plan_is_llama_cpps_and_loads_as_it_is(tmp_path, monkeypatch):
     assert 0 < np.abs(converted - native).max() < 0.05 * np.abs(native).max()
 
 
+def test_q2_k_mix_plan_is_llama_cpps_and_loads_as_it_is(tmp_path):
+    """llama.cpp's Q2_K on Qwen3-30B-A3B (8 query heads a key head): attn_v q4_K, attn_output
+    and ffn_down q3_K, the head q6_K, everything else q2_K; every tensor loads as it is and
+    the numpy backend runs it."""
+    from moeforge.runtime.gguf_file import GGUFFile
+    from moeforge.runtime.model import load_model
+    from moeforge.synth import preset, tensor_plan, write_qwen3moe
+    types = {name: t for name, _, t in tensor_plan(preset("qwen3-30b-a3b"), "q2_K_mix")}
+    assert {types[f"blk.{i}.attn_v.weight"] for i in range(48)} == {"q4_K"}
+    assert {types[f"blk.{i}.{t}.weight"] for i in range(48) for t in ("attn_output", "ffn_down_exps")} == {"q3_K"}
+    assert types["output.weight"] == "q6_K" and types["token_embd.weight"] == "q2_K"
+    assert {types[f"blk.7.{t}.weight"] for t in ("attn_q", "attn_k", "ffn_gate_exps", "ffn_up_exps")} == {"q2_K"}
+    path = str(tmp_path / "m.gguf")
+    write_qwen3moe(path, preset("tiny-k"), "q2_K_mix", seed=4)
+    f = GGUFFile(path)
+    assert convert.note(f) is None
+    assert np.isfinite(load_model(path, backend="numpy").logits([1, 2, 3])).all()
+
+
 @pytest.mark.parametrize("mix, base", [("q4_K_M", "q4_K"), ("q5_K_M", "q5_K")])
 def test_a_k_m_file_loads_its_tensors_as_they_are_or_as_q8_0_on_request(tmp_path, monkeypatch, mix, base):
     from moeforge.runtime.arch_qwen3moe import open_model

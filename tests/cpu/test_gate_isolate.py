@@ -30,9 +30,9 @@ def test_skewed_routing_has_hot_experts(rng):
     assert (counts == 0).any() or counts[-1] < counts[0] / 20
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q3_K", "q6_K"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q6_K"])
 def test_subset_reference_equals_the_full_reference(rng, qtype):
-    E, top_k, m, k, n = 8, 2, 200, 128 if qtype not in ("q3_K", "q6_K") else 256, 700
+    E, top_k, m, k, n = 8, 2, 200, 128 if qtype not in ("q2_K", "q3_K", "q6_K") else 256, 700
     raw = ref.random_blocks(qtype, E * m, k, rng)
     x = rng.standard_normal((n, k)).astype(np.float32)
     ids = gate.routing("skewed", n, E, top_k, rng)

@@ -72,6 +72,23 @@ def test_q3_k_f16_weights_round_the_scale_then_the_product(rng):
     assert np.abs(got.astype(np.float32) - gguf_w).max() <= 4e-3 * np.abs(gguf_w).max()
 
 
+def test_q2_k_f16_weights_round_the_scales_then_the_fma(rng):
+    """q2_K in f16: q * f16(d*sc) - f16(dmin*m), one rounding (q4_K's form, with 16-weight
+    scales and mins); bit for bit a float32 fma of the same (exact: 2 x 11 bits, then one
+    add), within an f16 ulp or two of gguf's float32 weights."""
+    from moeforge.runtime.array_blocks import q2_k_parts
+    rows, k = 12, 512
+    raw = ref.random_blocks("q2_K", rows, k, rng)
+    got = ref.f16_weights(raw, "q2_K", rows, k)
+    qv, sc, mn, d, dmin = q2_k_parts(raw.reshape(-1, 84))
+    s16 = (d * sc.astype(np.float32)).astype(np.float16).astype(np.float32)
+    m16 = (dmin * mn.astype(np.float32)).astype(np.float16).astype(np.float32)
+    fma32 = qv.reshape(-1, 16, 16).astype(np.float32) * s16[..., None] - m16[..., None]
+    np.testing.assert_array_equal(got, fma32.reshape(rows, k).astype(np.float16))
+    gguf_w = ref.dequantize(raw, "q2_K", (rows, k))
+    assert np.abs(got.astype(np.float32) - gguf_w).max() <= 4e-3 * np.abs(gguf_w).max()
+
+
 def _mxfp4_blocks(rng, rows, k, scale_bytes):
     raw = ref.random_blocks("mxfp4", rows, k, rng).reshape(rows, k // 32, 17)
     raw[:, :, 0] = rng.choice(np.asarray(scale_bytes, dtype=np.uint8), size=raw.shape[:2])
@@ -169,9 +186,12 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
     assert moe.path == "mmf_id" and moe.spec.ids and moe.spec.x == 128
     assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 2048).path != "mmf_id"   # 128 an expert
-    # q3_K's int8 tiles pay two k16 products a block: its f16 tiles from 64 tokens an expert
-    assert dispatch.choose_mul_mat_id("q3_K", 128, 8, 768, 2048, 1024).path == "mmf_id"
-    assert dispatch.choose_mul_mat_id("q3_K", 128, 8, 768, 2048, 512).path != "mmf_id"
+    # q3_K's and q2_K's int8 tiles pay two products a block: their f16 tiles from 16 tokens an
+    # expert, narrower below 64
+    for qtype in ("q2_K", "q3_K"):
+        tiles = [dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, n) for n in (128, 256, 512, 1024, 4096)]
+        assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 4
+        assert [(c.spec.x, c.spec.y) for c in tiles[1:]] == [(32, 256), (64, 256), (128, 128), (128, 128)]
     assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 1024).path != "mmf_id"
     monkeypatch.setenv("MOEFORGE_MMF", "0")
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
@@ -225,6 +245,25 @@ def test_bench_paths_include_the_f16_tiles_past_decode_sizes():
     assert "mmf_id" not in [c.path for c in _choices("all", "q4_0", qwen, 4)]
     with pytest.raises(ValueError, match="unknown expert-product path 'mmf'"):
         _choices("mmf", "q4_0", qwen, 512)
+
+
+def test_bench_sweep_times_every_generated_f16_tile(monkeypatch):
+    """`moeforge bench --paths sweep` puts the f16 tiles next to the int8 ones past decode
+    sizes (for the types that have them), each an instance `moeforge generate` builds."""
+    from moeforge.bench import _choices
+    from moeforge.codegen.enumerate import MMF_TILES, all_specs
+    from moeforge.codegen.quant import quant_type
+    from moeforge.runtime import dispatch
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 132)
+    qwen = (128, 8, 768, 2048)
+    for qtype in ("q2_K", "q3_K", "q6_K"):
+        built = {s for s in all_specs([quant_type(qtype)])}
+        choices = _choices("sweep", qtype, qwen, 512)
+        f16 = [c for c in choices if c.path == "mmf_id"]
+        assert len(f16) == (len(MMF_TILES) if qtype != "q6_K" else 0)
+        assert all(c.spec in built for c in choices)
+        assert not [c for c in _choices("sweep", qtype, qwen, 8) if c.path == "mmf_id"]
 
 
 def test_split_k_is_a_named_gated_form():

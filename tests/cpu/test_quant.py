@@ -15,7 +15,8 @@ def test_table_agrees_with_gguf(name):
     span = q.qs_bytes * q.sub_blocks
     if q.inline_meta:
         # q3_K: each kernel block's 16 bytes hold all of it, at most 16 bytes a 32 weights
-        assert q.qs_bytes == 16 and q.meta_bytes == 0 and span >= q.block_bytes and q.two_scales
+        assert q.qs_bytes == 16 and q.meta_bytes == 0 and span >= q.block_bytes
+        assert q.two_scales != q.half_mins      # q3_K folds two scales; q2_K has mins
         assert not q.super_meta and q.meta_stride(4096) == 0
         return
     assert q.qs_bytes % 16 == 0 and 0 <= q.qs_offset and q.qs_offset + span <= q.block_bytes
@@ -72,19 +73,24 @@ def test_q6_k_split_layout_is_what_the_kernels_read(rng):
     assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
 
 
+def _inline_blocks(rng, name, rows, k):
+    """Random GGUF rows of an inline-meta format, and their split: (raw, the kernel blocks'
+    16 bytes (rows, nb, 16), their four words as uint64 (rows, nb, 4)); no meta region."""
+    raw = ref.random_blocks(name, rows, k, rng)
+    qs, meta = split_blocks(raw, quant_type(name), rows, k)
+    assert meta.size == 0
+    b = qs.reshape(rows, k // 32, 16)
+    return raw, b, b.view(np.uint32).reshape(rows, k // 32, 4).astype(np.uint64)
+
+
 def test_q3_k_split_layout_is_what_the_kernels_read(rng):
     """The q3_K kernels' reading of a block's 16 bytes (quant_q3_K.cuh.j2, get_rows_q3_K),
     written as the kernels' word operations: for lane i, ((lo >> 2i) << 5) & 0x60606060 |
     (h << (7 - i)) & 0x80808080 (h << (3 - i) for values 16..31) is the int8 32 * (q - 4) of
     values 4i..4i+3 of the half; (d * sc) * (q - 4) with the block's scale bytes is gguf's
     dequantization bit for bit."""
-    q = quant_type("q3_K")
-    rows, k = 5, 768
-    raw = ref.random_blocks("q3_K", rows, k, rng)
-    qs, meta = split_blocks(raw, q, rows, k)
-    assert meta.size == 0
-    nb = k // 32
-    words = qs.reshape(rows, nb, 16).view(np.uint32).astype(np.uint64)               # (.., 4)
+    rows, k, nb = 5, 768, 24
+    raw, b, words = _inline_blocks(rng, "q3_K", rows, k)
     v = np.zeros((rows, nb, 32), dtype=np.int32)
     for half in range(2):
         for i in range(4):
@@ -92,10 +98,35 @@ def test_q3_k_split_layout_is_what_the_kernels_read(rng):
             as_int8 = (w & 0xFFFFFFFF).astype(np.uint32)[..., None].view(np.uint8).view(np.int8)
             v[..., 16 * half + 4 * i:16 * half + 4 * i + 4] = as_int8.astype(np.int32)
     assert not (v % 32).any() and v.min() >= -128 and v.max() <= 96
-    sc = np.repeat(qs.reshape(rows, nb, 16)[..., 12:14].view(np.int8).astype(np.float32), 16, axis=-1)
-    d = qs.reshape(rows, nb, 16)[..., 14:16].copy().view(np.float16).astype(np.float32)
+    sc = np.repeat(b[..., 12:14].view(np.int8).astype(np.float32), 16, axis=-1)
+    d = b[..., 14:16].copy().view(np.float16).astype(np.float32)
     w = ((d * sc) * (v // 32).astype(np.float32)).reshape(rows, k)
     want = ref.dequantize(raw, "q3_K", (rows, k))
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
+
+
+def test_q2_k_split_layout_is_what_the_kernels_read(rng):
+    """The q2_K kernels' reading of a block's 16 bytes (quant_q2_K.cuh.j2, get_rows_q2_K):
+    lane i's quants of a half are (word >> 2i) & 0x03030303, and that word times the half's
+    scale is the bytes q * sc (no carries); (d * sc) * q - dmin * m with the block's (scale,
+    min) bytes and d, dmin is gguf's dequantization bit for bit."""
+    rows, k, nb = 5, 768, 24
+    raw, b, words = _inline_blocks(rng, "q2_K", rows, k)
+    sm = b[..., 8:10].astype(np.uint64)
+    v = np.zeros((rows, nb, 32), dtype=np.int64)
+    for half in range(2):
+        for i in range(4):
+            w = (words[..., half] >> (2 * i)) & 0x03030303
+            scaled = (w * (sm[..., half] & 15)).astype(np.uint32)
+            qb = w.astype(np.uint32)[..., None].view(np.uint8).astype(np.int64)
+            assert np.array_equal(scaled[..., None].view(np.uint8), (qb * (sm[..., half:half + 1] & 15)).astype(np.uint8))
+            v[..., 16 * half + 4 * i:16 * half + 4 * i + 4] = qb
+    sc = np.repeat((b[..., 8:10] & 15).astype(np.float32), 16, axis=-1)
+    mn = np.repeat((b[..., 8:10] >> 4).astype(np.float32), 16, axis=-1)
+    d = b[..., 12:14].copy().view(np.float16).astype(np.float32)
+    dmin = b[..., 14:16].copy().view(np.float16).astype(np.float32)
+    w = ((d * sc) * v.astype(np.float32) - dmin * mn).reshape(rows, k)
+    want = ref.dequantize(raw, "q2_K", (rows, k))
     assert np.array_equal(w.view(np.uint32), want.view(np.uint32))
 
 
@@ -302,6 +333,12 @@ def _quantizer_writes_close_blocks(rng, q, bar):
     with pytest.raises(ValueError, match="k=320"):
         quantize(np.ones((2, 320), np.float32), q)
     return raw
+
+
+def test_q2_k_quantizer_writes_valid_close_blocks(rng):
+    """moeforge's own plain q2_K quantizer (gguf-py has none): within 2-bit rounding of the
+    input, every scale and min in 4 bits by construction, deterministic."""
+    _quantizer_writes_close_blocks(rng, quant_type("q2_K"), 0.45)
 
 
 def test_q3_k_quantizer_writes_valid_close_blocks(rng):

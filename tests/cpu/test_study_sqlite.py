@@ -116,7 +116,7 @@ def test_time_budget_is_respected(tmp_path, monkeypatch):
     (["--shape", "1,2,3"], "E,top_k,m,k"),
     (["--shape", "llama-7b"], "qwen3-30b-a3b"),
     (["--n", "48"], "powers of two"),
-    (["--types", "q2_k"], "unknown quant type"),
+    (["--types", "q4_1"], "unknown quant type"),
 ])
 def test_bad_arguments_are_usage_errors(args, msg, capsys, tmp_path):
     rc = main(["tune", "--objective", "standin", "--profile-dir", str(tmp_path), *args])

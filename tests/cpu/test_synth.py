@@ -100,14 +100,14 @@ def test_float_source_is_deterministic(tmp_path):
 
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="synth writes"):
-        write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q2_K")
+        write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q4_1")
     with pytest.raises(ValueError, match="not whole q5_K blocks"):
         write_qwen3moe(str(tmp_path / "x.gguf"), preset("tiny"), "q5_K_M")
     with pytest.raises(ValueError, match="unknown preset"):
         preset("llama-7b")
 
 
-@pytest.mark.parametrize("qtype", ["q3_K_M", "q4_K", "q5_K_M", "iq4_xs", "mxfp4_moe"])
+@pytest.mark.parametrize("qtype", ["q2_K_mix", "q3_K_M", "q4_K", "q5_K_M", "iq4_xs", "mxfp4_moe"])
 def test_k_quant_model_kernel_numerics_close_to_float(tmp_path, qtype):
     """A model whose every matrix is q4_K (q5_K with q6_K in places; iq4_xs) on the numpy
     backend: the emulation of the kernels (q8_1 activations, integer block dots, the

@@ -16,7 +16,7 @@ def test_buckets_cover_the_anchor_n():
     assert sp.BUCKETS[0] == 1 and sp.BUCKETS[-1] == 4096
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q3_K", "q6_K"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q6_K"])
 @pytest.mark.parametrize("n", sp.BUCKETS)
 def test_candidates_are_generated_instances_and_the_default_is_there(qtype, n):
     key = TuneKey("mul_mat_id", qtype, QWEN, n)

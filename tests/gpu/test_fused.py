@@ -71,7 +71,7 @@ def _replay_matches(capture, outs, want):
                 np.testing.assert_array_equal(got.get(), exp)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("merged", [True, False])

@@ -1,8 +1,8 @@
-"""Super-block weights (q3_K, q4_K, q5_K, q6_K, iq4_xs) on the GPU: every MUL_MAT_ID path against
+"""Super-block weights (q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs) on the GPU: every MUL_MAT_ID path against
 both references, and a model whose every matrix is of the type against the numpy backend
 that emulates the kernels (pytest -m gpu; the dense product and the fused gate/up take them
-in test_mul_mat_id and test_fused); also the mixes' models (Q3_K_M, Q5_K_M, iq4_xs with a
-q6_K head, MXFP4_MOE). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it
+in test_mul_mat_id and test_fused); also the mixes' models (Q2_K, Q3_K_M, Q5_K_M, iq4_xs
+with a q6_K head, MXFP4_MOE). Rows hold whole super-blocks (k a multiple of 256); m stays odd where it
 can."""
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 
-@pytest.fixture(params=["q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs"])
+@pytest.fixture(params=["q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs"])
 def Q(request):
     return request.param
 
@@ -52,11 +52,14 @@ def test_per_slot_activations(Q, rng, n):
 
 def test_default_dispatch_anchor_shape_and_bitwise_repeats(Q, rng):
     import moeforge
+    from moeforge.runtime import dispatch
     E, top_k, m, k = 128, 8, 768, 2048
-    for n in (1, 4, 16, 128, 512):
+    for n in (1, 4, 16, 128, 256, 512):   # q2_K and q3_K: the narrow f16 tiles from 256
         raw, w, x, ids, xd, idsd = _setup(rng, Q, E, m, k, n, top_k, skew=True)
         out = moeforge.mul_mat_id(w, xd, idsd).get()
-        _check(raw, Q, (E, m, k), x, ids, moeforge.mul_mat_id(w, xd, idsd))
+        f16 = dispatch.choose_mul_mat_id(Q, E, top_k, m, k, n).path == "mmf_id"
+        _check(raw, Q, (E, m, k), x, ids, moeforge.mul_mat_id(w, xd, idsd),
+               ref.mul_mat_id_emulated_f16 if f16 else ref.mul_mat_id_emulated)
         for _ in range(3):
             again = moeforge.mul_mat_id(w, xd, idsd).get()
             assert np.array_equal(out.view(np.uint32), again.view(np.uint32)), n
@@ -87,7 +90,8 @@ def test_streamk_fixup_over_sm_counts(Q, rng):
 
 
 def test_embedding_rows_are_ggufs_dequantization(Q, tmp_path):
-    """get_rows_q3_K, _q4_K, _q5_K, _q6_K and _iq4_xs give gguf's own dequantized rows, bit for bit."""
+    """get_rows_q2_K, _q3_K, _q4_K, _q5_K, _q6_K and _iq4_xs give gguf's own dequantized rows,
+    bit for bit."""
     import cupy as cp
     from moeforge.runtime.gguf_file import GGUFFile
     from moeforge.synth import preset, write_qwen3moe
@@ -122,6 +126,12 @@ def test_q5_k_m_model_matches_numpy_kernel_emulation(tmp_path):
     """llama.cpp's Q5_K_M mix (q5_K, q6_K for the head, attn_v and ffn_down in layer 1),
     every tensor run as it is; llama.cpp has no fixture of it (tests/fixtures/parity)."""
     _model_against_emulation(tmp_path, "q5_K_M", True)
+
+
+def test_q2_k_mix_model_matches_numpy_kernel_emulation(tmp_path):
+    """llama.cpp's Q2_K mix (q2_K, q6_K for the head, attn_v q3_K at tiny-k's 2 query heads a
+    key head, attn_output and ffn_down q3_K), every tensor run as it is."""
+    _model_against_emulation(tmp_path, "q2_K_mix", True)
 
 
 def test_q3_k_m_model_matches_numpy_kernel_emulation(tmp_path):

@@ -1,7 +1,7 @@
 """The f16 tensor-core path (MmfSpec), dense and MUL_MAT_ID, against both references:
 float64 on dequantized weights and the emulation of its own f16 rounding (pytest -m gpu).
 q4_K's and q5_K's weights are q * f16(d*sc) - f16(dmin*m) rounded once, q3_K's (q - 4) *
-f16(d*sc) rounded once, iq4_xs's level *
+f16(d*sc) rounded once, q2_K's as q4_K's with 16-weight scales and mins, iq4_xs's level *
 f16(d*(ls-32)), mxfp4's level * f16(2^(e-128)) (tensors whose largest scale keeps every
 weight in f16's range: others are refused, and dispatch gives them the int8 tiles); the
 K-quants' stages hold whole super-blocks (kblocks at least 8) and their rows whole
@@ -23,6 +23,7 @@ SPECS = [  # (x, y, warps, kblocks, stages, warps along the tokens, blocks shari
     (64, 128, 4, 4, 3, 1), (32, 128, 4, 8, 2, 1), (128, 128, 8, 4, 3, 1), (16, 64, 4, 16, 4, 1), (8, 96, 2, 2, 2, 1),
     (64, 128, 8, 4, 3, 2), (128, 256, 8, 4, 2, 2), (32, 64, 4, 8, 3, 4),
     (128, 128, 4, 4, 2, 1, 4), (64, 128, 8, 4, 3, 1, 2), (32, 64, 4, 8, 3, 2, 3),
+    (32, 256, 8, 8, 2, 1), (64, 256, 8, 4, 3, 1),   # dispatch.MMF_NARROW_TILES
 ]
 
 
@@ -67,7 +68,7 @@ def _compare(got, emu, flt):
     assert e_flt <= NMSE_FLOAT, f"NMSE vs float64 {e_flt:.3e}"
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("E,top_k,m,k,n,skew,per_slot", [
     (8, 2, 96, 256, 33, False, False), (32, 4, 200, 416, 77, True, False), (128, 8, 72, 160, 300, True, False),
@@ -94,7 +95,7 @@ def test_mul_mat_id(rng, qtype, spec_i, E, top_k, m, k, n, skew, per_slot):
              ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids))
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("m,k,n", [(200, 416, 77), (5120 // 8, 2048, 512), (72, 96, 9)])
 def test_mul_mat(rng, qtype, spec_i, m, k, n):

@@ -30,8 +30,10 @@ def _setup(rng, qtype, E, m, k, n, top_k, per_slot=False, skew=False):
     return raw, w, x, ids, cp.asarray(x), cp.asarray(ids)
 
 
-def _check(raw, qtype, shape, x, ids, out):
-    emu = ref.mul_mat_id_emulated(raw, qtype, shape, x, ids)
+def _check(raw, qtype, shape, x, ids, out, emulated=ref.mul_mat_id_emulated):
+    """out against float64 and the emulation of the path that made it (the int8 paths', or
+    reference.mul_mat_id_emulated_f16 for the f16 tiles)."""
+    emu = emulated(raw, qtype, shape, x, ids)
     flt = ref.mul_mat_id_float(ref.dequantize(raw, qtype, shape), x, ids)
     got = out.get()
     assert np.isfinite(got).all(), "unwritten or non-finite outputs"
@@ -149,7 +151,7 @@ def test_streamk_grid_sizes(rng, m, n):
         ops.device_info = real
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 100, 600])
 def test_mul_mat_dense(rng, qtype, n):
     import cupy as cp
