@@ -173,15 +173,15 @@ QUANT_TYPES: dict[str, QuantType] = {
         # of its high bits (quant_q5_K.cuh.j2): 48 meta bytes a super-block, the file's 5.5
         # bits a weight.
         QuantType("q5_K", gguf.GGMLQuantizationType.Q5_K, 256, 176, 48, 16, paired_nibbles=True, high_bits=1),
-        # super-block of 256: 32 bytes of high bits (hmask), 64 of 2-bit low parts, 12 bytes
-        # of sixteen 6-bit scales (one a 16 weights), d (f16); w = d * (s - 32) * (q - 4).
-        # The split packs a kernel block's low parts, high bits, two scales and d into its
-        # 16 qs bytes (quant_q3_K.cuh.j2): 4 bits a weight on the GPU, the file's 3.4375.
         # super-block of 256: sixteen bytes of 4-bit (scale, min) pairs (one a 16 weights), 64
         # bytes of 2-bit quants, d and dmin (f16); w = d * sc * q - dmin * m. The split packs
         # a kernel block's quants, its two scale bytes, d and dmin into its 16 qs bytes
         # (quant_q2_K.cuh.j2): 4 bits a weight on the GPU, the file's 2.625.
         QuantType("q2_K", gguf.GGMLQuantizationType.Q2_K, 256, 84, 0, 16, inline_meta=True, half_mins=True),
+        # super-block of 256: 32 bytes of high bits (hmask), 64 of 2-bit low parts, 12 bytes
+        # of sixteen 6-bit scales (one a 16 weights), d (f16); w = d * (s - 32) * (q - 4).
+        # The split packs a kernel block's low parts, high bits, two scales and d into its
+        # 16 qs bytes (quant_q3_K.cuh.j2): 4 bits a weight on the GPU, the file's 3.4375.
         QuantType("q3_K", gguf.GGMLQuantizationType.Q3_K, 256, 110, 0, 16, inline_meta=True),
         # super-block of 256: 128 bytes of low nibbles (ql), 64 of 2-bit high parts (qh),
         # sixteen int8 scales (one a 16 weights), d (f16); w = d * sc * (q - 32). The split

@@ -24,13 +24,13 @@ from .synth_vocab import add_tokenizer
 
 ARCHS = ("qwen3moe", "gpt-oss")
 # q3_K_M, q4_K_M, q5_K_M: llama.cpp's mixes of those names (q3_K, q4_K or q5_K, with more
-# bits in places: see mix_types); q2_K_mix: llama.cpp's Q2_K (q2_K every matrix is
-# "q2_K"); q6_K also for every matrix, or as --output-type/--embd-type
+# bits in places: see mix_types); q2_K_mix: llama.cpp's Q2_K mix (plain "q2_K" is q2_K for
+# every matrix, as the other type names are); q6_K also for every matrix, or as --output-type/--embd-type
 # (llama.cpp's Q4_0 files keep a q6_K head); iq4_xs every matrix (llama.cpp's IQ4_XS mix
 # gives attn_v q5_K and the head q6_K: --output-type q6_K comes close); mxfp4_moe as
 # llama.cpp's MXFP4_MOE (mxfp4 has kernels for the expert products only)
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q2_K", "q2_K_mix", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs",
-         "mxfp4_moe")
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q2_K", "q2_K_mix", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K",
+         "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe")
 TENSOR_TYPES = ("f32", "f16", "q8_0", "q4_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
 # the base type of each mix
 MIXES = {"q2_K_mix": "q2_K", "q3_K_M": "q3_K", "q4_K_M": "q4_K", "q5_K_M": "q5_K"}
@@ -38,8 +38,8 @@ MIXES = {"q2_K_mix": "q2_K", "q3_K_M": "q3_K", "q4_K_M": "q4_K", "q5_K_M": "q5_K
 EXPERT_MIXES = {"mxfp4_moe": ("mxfp4", "q8_0")}
 # llama.cpp's LLAMA_FTYPE_MOSTLY_*; every matrix q4_K (q5_K, iq4_xs) is closest to Q4_K_S
 # (Q5_K_S, IQ4_XS)
-FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q2_K": 10, "q2_K_mix": 10, "q3_K": 11, "q3_K_M": 12, "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17,
-             "q6_K": 18, "iq4_xs": 30, "mxfp4_moe": 38}
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q2_K": 10, "q2_K_mix": 10, "q3_K": 11, "q3_K_M": 12,
+             "q4_K": 14, "q4_K_M": 15, "q5_K": 16, "q5_K_M": 17, "q6_K": 18, "iq4_xs": 30, "mxfp4_moe": 38}
 
 
 @dataclass(frozen=True)

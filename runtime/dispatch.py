@@ -131,9 +131,10 @@ MMF_WIDE_TILE = (128, 128, 4, 4, 2)   # x, y, warps, kblocks, stages
 MMF_MAX_SPLITS = 4
 MMF_MIN_TOKENS_PER_EXPERT = 256
 # Formats whose int8 tiles pay more a block, so that the f16 tiles win from fewer tokens an
-# expert (with the narrower tiles below 64, MMF_NARROW_TILES). q3_K: two k16 products a block and its scales folded into the integer sums (as
-# q6_K's); q2_K: a second product a block, of its mins. H200, hot, Qwen3 experts, 128-token
-# f16 tiles against the default int8 ones (BENCHMARKS.md, "q3_K kernels", "q2_K kernels"):
+# expert (with the narrower tiles below 64, MMF_NARROW_TILES). q3_K: two k16 products a
+# block and its scales folded into the integer sums (as q6_K's); q2_K: a second product a
+# block, of its mins. H200, hot, Qwen3 experts, 128-token f16 tiles against the default int8
+# ones (BENCHMARKS.md, "q3_K kernels", "q2_K kernels"):
 # q3_K n=512 (32 an expert) 228.4 against 159.5 us, n=1024 (64) 230.5 against 261.1, n=2048
 # 357.5 against 451.1, n=4096 590.1 against 968.2; q2_K 229.5 against 178.9, 234.0 against
 # 289.2, 357.7 against 514.6, 594.2 against 1123.9.

@@ -119,7 +119,8 @@ def test_mxfp4_tensors_say_whether_their_scales_fit_f16(rng):
     """QuantTensor.f16_fits, read from the meta bytes on the host as on the device: the
     largest scale byte in [114, 140] (no weight past 65504, the largest blocks normal)."""
     from moeforge.codegen.quant import quant_type
-    from moeforge.runtime.tensor import QuantTensor, split_blocks
+    from moeforge.runtime.block_split import split_blocks
+    from moeforge.runtime.tensor import QuantTensor
     q = quant_type("mxfp4")
     rows, k = 6, 96
 

@@ -4,7 +4,7 @@ import pytest
 
 from moeforge import reference as ref
 from moeforge.codegen.quant import QUANT_TYPES, parse_types, quant_type, type_name
-from moeforge.runtime.tensor import join_blocks, split_blocks
+from moeforge.runtime.block_split import join_blocks, split_blocks
 
 
 @pytest.mark.parametrize("name", list(QUANT_TYPES))

@@ -7,7 +7,8 @@ import pytest
 
 from moeforge import reference as ref
 from moeforge.codegen.quant import QUANT_TYPES, quant_type
-from moeforge.runtime.tensor import QuantTensor, split_blocks
+from moeforge.runtime.block_split import split_blocks
+from moeforge.runtime.tensor import QuantTensor
 
 pytestmark = pytest.mark.gpu
 
