@@ -21,18 +21,10 @@ def quantize(x: np.ndarray, q: QuantType) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     x = x.reshape(-1, x.shape[-1])
     q.blocks_per_row(x.shape[-1])            # k a multiple of the block size, or a clear error
-    if q.name == "q4_K":
-        return quantize_q4_k(x)
-    if q.name == "q5_K":
-        return quantize_q5_k(x)
-    if q.name == "iq4_xs":
-        return quantize_iq4_xs(x)
-    if q.name == "q2_K":
-        return quantize_q2_k(x)
-    if q.name == "q3_K":
-        return quantize_q3_k(x)
-    if q.name == "q6_K":
-        return quantize_q6_k(x)
+    own = {"q2_K": quantize_q2_k, "q3_K": quantize_q3_k, "q4_K": quantize_q4_k, "q5_K": quantize_q5_k,
+           "q6_K": quantize_q6_k, "iq4_xs": quantize_iq4_xs}.get(q.name)
+    if own is not None:
+        return own(x)
     from gguf import quants
     return quants.quantize(x, q.ggml_type)
 
