@@ -31,6 +31,7 @@ class Choice:
     spec: KernelSpec
     source: str = "default"   # "default", "profile" or "rule" (mmf_choice)
     paths: tuple[str, ...] = ()   # a profile entry's: the paths its study measured
+    kept_default: bool = False    # a profile entry's: its study found nothing faster than its default
 
 
 def _pow2_at_least(v: float, lo: int, hi: int) -> int:
@@ -138,7 +139,12 @@ MMF_MIN_TOKENS_PER_EXPERT = 256
 # q3_K n=512 (32 an expert) 228.4 against 159.5 us, n=1024 (64) 230.5 against 261.1, n=2048
 # 357.5 against 451.1, n=4096 590.1 against 968.2; q2_K 229.5 against 178.9, 234.0 against
 # 289.2, 357.7 against 514.6, 594.2 against 1123.9.
-MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16}
+MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16, "q4_K": 128, "iq4_xs": 128, "q8_0": 128}
+# q4_K, iq4_xs and q8_0 from 128 tokens an expert, where their int8 tiles fall behind (H200,
+# hot, Qwen3 experts, one call, BENCHMARKS.md "f16 tiles from 128 tokens an expert": n=2048, q4_K x64y256 359.9 against the int8
+# x32 tile's 401.0 us, iq4_xs 380.7 against 432.0, q8_0's wide tile 367.8 against 403.9); at
+# 64 an expert all of them tie (q4_K 220.6 against 223.0), at 32 the int8 tiles win or tie.
+# q4_0's int8 tiles tie the best f16 tile at 128 an expert (331.4 against 325.4): 256 stands.
 # Below 64 tokens an expert the wide tile is mostly empty: narrower f16 tiles (x, y, warps,
 # kblocks, stages), each below its count of tokens an expert. H200, hot, Qwen3 experts,
 # against the int8 tiles' default: n=256 (16 an expert) x32y256 q2_K 99.4 against 125.5 us,
@@ -146,6 +152,12 @@ MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16}
 # n=1024 the wide tile and x64y256 tie (232.7 and 233.4). q4_0's int8 tiles beat all of them
 # up to n=1024 (76.6 against 87.5 us at n=256): its rule keeps 256 tokens an expert.
 MMF_NARROW_TILES = ((32, (32, 256, 8, 8, 2)), (64, (64, 256, 8, 4, 3)))
+# Formats of 256-weight super-blocks whose stages hold whole ones (kblocks 8): the wide tile
+# then has only two stages of 8, and x64y256's three stages of 8 beat it for expert products
+# at any count of tokens an expert measured (H200, hot, Qwen3 experts, n=2048 and 4096: q4_K
+# 359.9 and 596.1 us against the wide tile's 432.7 and 723.9, iq4_xs 380.7 and 664.6 against
+# 481.8 and 803.8). q5_K's x64y256 needs more shared memory than an H200 has.
+MMF_EXPERT_TILE_OF = {"q4_K": (64, 256, 8, 4, 3), "iq4_xs": (64, 256, 8, 4, 3)}
 MMF_CC_MAJOR = (9,)
 
 
@@ -197,8 +209,8 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     model's pp512 +6%. A profile entry whose study timed the f16 tiles as well
     overrides this (choose_mul_mat*); the shipped profiles predate them. On other cards the
     int8 tiles stay unless a profile says otherwise. q2_K and q3_K, whose int8 tiles pay two
-    IMMA a fragment, take the f16 tiles from 16 tokens an expert, narrower ones below 64
-    (MMF_MIN_TOKENS_PER_EXPERT_OF, MMF_NARROW_TILES)."""
+    IMMA a fragment, take the f16 tiles from 16 tokens an expert, narrower ones below 64;
+    q4_K, iq4_xs and q8_0 from 128 (MMF_MIN_TOKENS_PER_EXPERT_OF, MMF_NARROW_TILES)."""
     if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
         return None
     ids = tokens_per_expert is not None
@@ -214,13 +226,27 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
 def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
                   tokens_per_expert: float | None = None) -> MmfSpec:
     """The rule's tile on a card of sm_count SMs (a dense product of m rows may split k; an
-    expert product of few tokens an expert takes a narrower tile, MMF_NARROW_TILES)."""
+    expert product of few tokens an expert takes a narrower tile, MMF_NARROW_TILES, and a
+    super-block format its own, MMF_EXPERT_TILE_OF)."""
     splits = mmf_dense_splits(n, m, sm_count) if not ids and m is not None else 1
     x, y, warps, kblocks, stages = MMF_WIDE_TILE
-    if ids and tokens_per_expert is not None:
-        x, y, warps, kblocks, stages = next((t for below, t in MMF_NARROW_TILES if tokens_per_expert < below),
-                                            MMF_WIDE_TILE)
+    if ids:
+        x, y, warps, kblocks, stages = MMF_EXPERT_TILE_OF.get(qtype, MMF_WIDE_TILE)
+        if tokens_per_expert is not None:
+            x, y, warps, kblocks, stages = next((t for below, t in MMF_NARROW_TILES if tokens_per_expert < below),
+                                                (x, y, warps, kblocks, stages))
     return MmfSpec(qtype, x, y, warps, quant_type(qtype).whole_kblocks(kblocks), stages, ids=ids, splits=splits)
+
+
+def _current(found: Choice | None, default: Choice) -> Choice | None:
+    """A profile entry that kept the default of its day, where today's default is another
+    spec, says nothing today's rules do not: they are used. (The shipped H200 profile's
+    Qwen3 q8_0 entry at 2048 tokens kept x64 tiles after one trial, 621.3 us; the rule's x32
+    tile takes 403.9, the f16 tile 367.8; q4_0's 398.4 against 331.4.) An entry that found a
+    faster spec stands."""
+    if found is not None and found.kept_default and found.spec != default.spec:
+        return None
+    return found
 
 
 def _measured_f16(found: Choice | None) -> bool:
@@ -236,7 +262,7 @@ def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int, f1
     """f16 False (a tensor the f16 tiles cannot hold, QuantTensor.f16_fits): an int8 path,
     the profile's where it chose one, else the default."""
     from .profiles_hook import lookup
-    found = lookup("mul_mat_id", qtype, (E, top_k, m, k), n)
+    found = _current(lookup("mul_mat_id", qtype, (E, top_k, m, k), n), default_mul_mat_id(qtype, E, top_k, m, k, n))
     if not f16:
         found = _without_f16(found)
     elif not _measured_f16(found):
@@ -255,7 +281,7 @@ def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -
 
 def choose_mul_mat(qtype: str, m: int, k: int, n: int, f16: bool = True) -> Choice:
     from .profiles_hook import lookup
-    found = lookup("mul_mat", qtype, (1, 1, m, k), n)
+    found = _current(lookup("mul_mat", qtype, (1, 1, m, k), n), default_mul_mat(qtype, m, k, n))
     if not f16:
         found = _without_f16(found)
     elif not _measured_f16(found):

@@ -112,7 +112,10 @@ class Profile:
             d = abs(math.log2(e.key.n) - ln)
             if d < best_d and path_allows(op, e.path, e.spec, shape, n) is None:
                 best, best_d = e, d
-        return Choice(best.path, best.spec, "profile", tuple(best.extra.get("paths", ()))) if best else None
+        if best is None:
+            return None
+        return Choice(best.path, best.spec, "profile", tuple(best.extra.get("paths", ())),
+                      kept_default=best.extra.get("default_spec") == best.spec.name)
 
 
 # -- validation ----------------------------------------------------------------------------

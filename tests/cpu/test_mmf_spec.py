@@ -186,7 +186,13 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     assert dispatch.choose_mul_mat("q4_K", 5120, 2048, 512).spec.kblocks == 8      # whole super-blocks
     moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
     assert moe.path == "mmf_id" and moe.spec.ids and moe.spec.x == 128
-    assert dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 2048).path != "mmf_id"   # 128 an expert
+    assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 2048).path != "mmf_id"   # 128 an expert
+    # q8_0, q4_K and iq4_xs from 128 tokens an expert; the super-block formats on x64y256
+    for qtype, tile in (("q8_0", (128, 128)), ("q4_K", (64, 256)), ("iq4_xs", (64, 256))):
+        tiles = [dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, n) for n in (1024, 2048, 4096, 16384)]
+        assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 3
+        assert {(c.spec.x, c.spec.y) for c in tiles[1:]} == {tile}
+        assert dispatch.choose_mul_mat(qtype, 2048, 4096, 2048).spec.x == 128     # dense: the wide tile
     # q3_K's and q2_K's int8 tiles pay two products a block: their f16 tiles from 16 tokens an
     # expert, narrower below 64
     for qtype in ("q2_K", "q3_K"):

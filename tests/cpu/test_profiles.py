@@ -196,6 +196,29 @@ def test_nearest_bucket_never_returns_an_illegal_path():
     assert p.choose("mul_mat_id", "q8_0", QWEN, 7) is None
 
 
+def test_an_entry_that_kept_an_outdated_default_gives_way_to_todays_rules(monkeypatch):
+    """An entry whose study kept the default of its day says nothing once the defaults have
+    moved on; one that found a faster spec stands (dispatch._current)."""
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    today = dispatch.default_mul_mat_id("q4_0", *QWEN, 2048).spec
+    old_default = MmqSpec("q4_0", x=64, y=128, warps=4)
+    assert today != old_default
+    p = pm.Profile(fake_fp())
+    p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", QWEN, 2048), "mmq_id", old_default, 398.4, 398.4,
+                   {"default_spec": old_default.name, "trials": 1}))
+    p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", QWEN, 1024), "mmq_id", MmqSpec("q4_0", x=16, y=64, warps=4),
+                   150.0, 210.0, {"default_spec": today.name, "trials": 40}))
+    kept = p.choose("mul_mat_id", "q4_0", QWEN, 2048)
+    assert kept.kept_default and kept.spec == old_default
+    assert not p.choose("mul_mat_id", "q4_0", QWEN, 1024).kept_default
+    monkeypatch.setattr(profiles_hook, "lookup", lambda *a: p.choose(*a))
+    assert dispatch.choose_mul_mat_id("q4_0", *QWEN, 2048).spec == today
+    assert dispatch.choose_mul_mat_id("q4_0", *QWEN, 1024).spec == MmqSpec("q4_0", x=16, y=64, warps=4)
+    # the default of its day is today's: the entry is today's default anyway
+    monkeypatch.setattr(dispatch, "default_mul_mat_id", lambda *a: dispatch.Choice("mmq_id", old_default))
+    assert dispatch.choose_mul_mat_id("q4_0", *QWEN, 2048).source == "profile"
+
+
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path, monkeypatch):
     path = tmp_path / "p.yaml"
     pm.save(make_profile(), path)

@@ -2,12 +2,14 @@
 and SwiGLU-OAI experts, against the numpy backend that emulates the kernels, through every
 attention kernel (decode with and without splits, the three prompt kernels, cuBLAS's path),
 both cache types, prompts over several ubatches and decode past the window."""
+import os
 import warnings
 
 import numpy as np
 import pytest
 
 from conftest import kl_per_token
+from moeforge.runtime.backend_numpy import NumpyBackend
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
 
@@ -20,7 +22,7 @@ N_TOKENS = 150
 @pytest.fixture(scope="module")
 def oss_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("oss")
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(os.environ.get("MOEFORGE_SEED", np.random.default_rng().integers(1 << 30)))
     out = {}
     for t in ("f32", "q8_0", "mxfp4_moe"):
         p = d / f"tiny-oss-{t}.gguf"
@@ -30,12 +32,17 @@ def oss_models(tmp_path_factory):
     return out, toks, seed
 
 
-def _close(got, ref, name, seed):
+def _close(got, ref, name, seed, exact_until=None):
+    """exact_until: the positions before it are held to the float model's elementwise bar,
+    all of them to the quantized one's (f16 or tf32 attention: _emulate_with_router_gaps)."""
     assert got.shape == ref.shape and np.isfinite(got).all()
     if name == "f32":
-        err = np.abs(got - ref).max() / np.abs(ref).max()
-        assert err < 1e-3, f"seed {seed}: max abs difference {err:.2e} relative to the largest logit"
-        return
+        n = len(ref) if exact_until is None else exact_until
+        err = np.abs(got[:n] - ref[:n]).max(-1, initial=0.0) / np.abs(ref).max()
+        assert err.max(initial=0.0) < 1e-3, (f"seed {seed}: max abs difference {err.max():.2e} relative to the "
+                                             f"largest logit, at positions {np.nonzero(err >= 1e-3)[0].tolist()}")
+        if exact_until is None:
+            return
     # Quantized: a last-bit difference can cross a q8_1 rounding boundary of the next layer
     # (test_model_cuda._close), and a random tiny gpt-oss amplifies such flips ~10x more than
     # a tiny qwen3moe (numpy, q8_0: q8_1 activations against float ones KL 3e-3 to 5e-3, f16
@@ -48,6 +55,30 @@ def _close(got, ref, name, seed):
     assert top.mean() > 0.9, f"seed {seed}: top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
     kl = kl_per_token(ref, got)
     assert kl.mean() < 5e-3, f"seed {seed}: mean KL {kl.mean():.2e}"
+
+
+def _emulate_with_router_gaps(path, toks, monkeypatch, **kw):
+    """The emulation's logits, and the first position whose router had its k-th and
+    (k+1)-th logits within 1e-3 in some layer. f16 and tf32 attention round p, and the
+    GPU's ex2.approx is an ulp from float64's exp2, which moved a router logit by 2.5e-4
+    (seed 1020490866: tiny-oss picks 2 experts of 8, two of them were 2.5e-4 apart): at
+    such a position the GPU and the emulation may each take either expert, and as later
+    positions attend to it their logits part too. Before it they agree elementwise; the
+    first near-tie came at position 3 to 150 (median ~90) on 16 seeds."""
+    gaps, route = [], NumpyBackend.route
+
+    def recording(self, logits, top_k, scale):
+        s = -np.sort(-logits.astype(np.float64), axis=-1)
+        gaps.append(s[:, top_k - 1] - s[:, top_k])
+        return route(self, logits, top_k, scale)
+
+    monkeypatch.setattr(NumpyBackend, "route", recording)
+    model = load_model(path, backend="numpy", numerics="kernel", **kw)
+    ref = model.logits(toks)
+    L = model.hp.n_layer            # a ubatch's layers one after the other
+    per_pos = np.concatenate([np.min(gaps[i:i + L], axis=0) for i in range(0, len(gaps), L)])
+    near = np.nonzero(per_pos < 1e-3)[0]
+    return ref, int(near[0]) if len(near) else len(ref)
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-f32", "gpt-oss-q8_0", "gpt-oss-mxfp4_moe"])
@@ -68,13 +99,13 @@ def test_cuda_matches_llama_cpp(parity_models, name):
 
 @pytest.mark.parametrize("name", ["f32", "q8_0", "mxfp4_moe"])
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
-def test_prompt_matches_emulation(oss_models, name, cache_type):
+def test_prompt_matches_emulation(oss_models, name, cache_type, monkeypatch):
     """A prompt in ubatches of 64 (windows that start inside a ubatch and before it)."""
     paths, toks, seed = oss_models
     kw = dict(cache_type=cache_type, n_ubatch=64)
     got = load_model(paths[name], backend="cuda", **kw).logits(toks)
-    ref = load_model(paths[name], backend="numpy", numerics="kernel", **kw).logits(toks)
-    _close(got, ref, name, seed)
+    ref, exact_until = _emulate_with_router_gaps(paths[name], toks, monkeypatch, **kw)
+    _close(got, ref, name, seed, exact_until if cache_type == "f16" else None)
 
 
 @pytest.mark.parametrize("precision", ["f32", "tf32", "f16", "cublas"])
@@ -88,7 +119,9 @@ def test_every_prompt_attention_kernel(oss_models, precision, monkeypatch):
         ref = load_model(paths["f32"], backend="numpy", numerics="kernel", attn_precision="f32").logits(toks)
     else:
         got = load_model(paths["f32"], backend="cuda", attn_precision=precision).logits(toks)
-        ref = load_model(paths["f32"], backend="numpy", numerics="kernel", attn_precision=precision).logits(toks)
+        ref, exact_until = _emulate_with_router_gaps(paths["f32"], toks, monkeypatch, attn_precision=precision)
+        _close(got, ref, "f32", seed, exact_until if precision != "f32" else None)
+        return
     _close(got, ref, "f32", seed)
 
 

@@ -96,6 +96,29 @@ def test_mul_mat_id(rng, qtype, spec_i, E, top_k, m, k, n, skew, per_slot):
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("n", [520, 2100])
+def test_the_rules_choice_past_its_threshold(rng, qtype, n):
+    """What dispatch runs with no choice given, at 130 and 525 tokens an expert (8 experts,
+    top-2): the f16 tiles of each format's rule (dispatch.MMF_MIN_TOKENS_PER_EXPERT_OF,
+    MMF_EXPERT_TILE_OF) where it takes them, checked as any other tile."""
+    import cupy as cp
+    import moeforge
+    from moeforge.runtime import dispatch
+    E, top_k, m, k = 8, 2, 136, 512
+    raw = ref.random_blocks(qtype, E * m, k, rng)
+    w = moeforge.QuantTensor.from_blocks(raw, qtype, (E, m, k))
+    x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0)).astype(np.float32)
+    ids = _ids(rng, n, E, top_k, skew=False)
+    f16 = dispatch.choose_mul_mat_id(qtype, E, top_k, m, k, n, w.f16_fits).path == "mmf_id"
+    assert f16 or not w.f16_fits or n * top_k / E < dispatch.MMF_MIN_TOKENS_PER_EXPERT_OF.get(qtype, dispatch.MMF_MIN_TOKENS_PER_EXPERT)
+    out = cp.full((n, top_k, m), np.nan, dtype=cp.float32)
+    moeforge.mul_mat_id(w, cp.asarray(x), cp.asarray(ids), out=out)
+    emulated = ref.mul_mat_id_emulated_f16 if f16 else ref.mul_mat_id_emulated
+    _compare(out.get(), emulated(raw, qtype, (E, m, k), x, ids),
+             ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("m,k,n", [(200, 416, 77), (5120 // 8, 2048, 512), (72, 96, 9)])
 def test_mul_mat(rng, qtype, spec_i, m, k, n):
