@@ -2,6 +2,7 @@
 `moeforge bench MODEL.gguf`)."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -66,7 +67,7 @@ def _load(args):
         if i == n or i % 8 == 0:
             print(f"\rmoeforge: loading {os.path.basename(args.model)}, layer {i}/{n}", end="",
                   file=sys.stderr, flush=True)
-    model = load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None),
+    model = load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None), n_ubatch=args.ubatch,
                        attn_precision=args.attn_precision, cache_type=args.cache_type, progress=progress)
     print(f" ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     return model
@@ -98,7 +99,19 @@ def _cmd_bench_model(args) -> int:
     return main(args)
 
 
-def _attn_precision_arg(parser) -> None:
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _model_options(parser) -> None:
+    """What every command that loads a model takes: the prompt's ubatch, attention, cache."""
+    parser.add_argument("-ub", "--ubatch", type=_positive, default=512,
+                        help="prompt tokens per forward pass (default 512, llama.cpp's); larger ubatches give "
+                             "a MoE model's experts more tokens each: 2048 ran a 2048-token prompt of "
+                             "Qwen3-30B-A3B 16%% faster on an H200")
     parser.add_argument("--attn-precision", default=None, choices=("f16", "tf32", "f32"),
                         help="prompt attention (default: f16 where the attention weights are quantized or the "
                              "cache is f16, else f32)")
@@ -141,7 +154,7 @@ def add_commands(sub) -> None:
     p.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
     p.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
-    _attn_precision_arg(p)
+    _model_options(p)
     p.set_defaults(func=_cmd_perplexity)
 
     from .cli_run import add_run_command
@@ -156,7 +169,6 @@ def add_commands(sub) -> None:
     b.add_argument("-d", "--n-depth", dest="d", type=_ints, default=[0],
                    help="tokens already in the context when each test starts (default 0), as llama-bench's")
     b.add_argument("-r", "--repetitions", type=int, default=5)
-    b.add_argument("-ub", "--ubatch", type=int, default=512, help="tokens per forward pass (default 512)")
     b.add_argument("--sweep", action="store_true", help="sweep-bench's table: PP and TG as the KV cache fills")
     b.add_argument("--ctx", "-c", type=int, default=4096, help="context of the sweep (default 4096)")
     b.add_argument("--sweep-pp", type=int, default=512)
@@ -166,7 +178,7 @@ def add_commands(sub) -> None:
                         "after the largest -d tokens when given")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
-    _attn_precision_arg(b)
+    _model_options(b)
     b.add_argument("--json", default=None, help="write the numbers to this file")
     b.set_defaults(func=_cmd_bench_model)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .cli_model import _attn_precision_arg, _load
+from .cli_model import _model_options, _load
 
 
 def add_run_command(sub) -> None:
@@ -38,7 +38,7 @@ def add_run_command(sub) -> None:
     r.add_argument("--seed", type=int, default=None, help="seed of the draws (default: a fresh one every run)")
     r.add_argument("--ignore-eos", action="store_true", help="generate n tokens even past end of generation")
     r.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
-    _attn_precision_arg(r)
+    _model_options(r)
     r.set_defaults(func=_cmd_run)
 
 

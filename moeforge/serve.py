@@ -330,7 +330,7 @@ def _call_of(call: tuple[str, str]) -> dict:
 
 
 def add_serve_command(sub) -> None:
-    from .cli_model import _attn_precision_arg
+    from .cli_model import _model_options
     s = sub.add_parser("serve", help="serve a model over OpenAI-style HTTP endpoints (as llama-server)")
     s.add_argument("model", metavar="MODEL.gguf")
     s.add_argument("--host", default="127.0.0.1")
@@ -342,7 +342,7 @@ def add_serve_command(sub) -> None:
     s.add_argument("--reasoning-format", default="auto", choices=REASONING,
                    help="auto (default): a chat reply's reasoning (<think>, gpt-oss's analysis channel) as "
                         "reasoning_content, apart from content; none: the reply's text as it is")
-    _attn_precision_arg(s)
+    _model_options(s)
     s.set_defaults(func=_cmd_serve)
 
 

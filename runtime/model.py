@@ -24,6 +24,8 @@ class Model:
     def __init__(self, f: GGUFFile, backend: str = "cuda", *, n_ctx: int | None = None, n_ubatch: int = 512,
                  numerics: str = "float", merge_gate_up: bool = True, attn_precision: str | None = None,
                  cache_type: str = "f32", progress=None):
+        if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, (int, np.integer)) or n_ubatch < 1:
+            raise ValueError(f"n_ubatch (prompt tokens per forward pass) must be a positive integer, got {n_ubatch!r}")
         arch_name = f.architecture
         if arch_name not in ARCHS:
             raise GGUFError(f"{f.path}: architecture {arch_name!r} is not supported (moeforge runs "

@@ -194,6 +194,31 @@ def test_perplexity_and_run_on_numpy(tiny, tmp_path, capsys):
         main(["run", tiny, "-p", "Hello", "--backend", "numpy", "--cache-type", "q8_0"])
     with pytest.raises(SystemExit):
         main(["run", tiny, "-p", "Hello", "--backend", "numpy", "--attn-precision", "bf16"])
+    with pytest.raises(SystemExit):
+        main(["run", tiny, "-p", "Hello", "--backend", "numpy", "-ub", "0"])
+
+
+def test_the_ubatch_reaches_the_model(tiny, tmp_path, capsys, monkeypatch):
+    """-ub of run, serve and perplexity: the model's prompt passes of that many tokens; the
+    same greedy tokens as one pass."""
+    pytest.importorskip("tokenizers")
+    from moeforge.runtime import model as model_mod
+    seen = []
+    real = model_mod.Model._step
+
+    def step(self, ids, last_only):
+        seen.append(len(ids))
+        return real(self, ids, last_only)
+    monkeypatch.setattr(model_mod.Model, "_step", step)
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    outs = []
+    for ub in ("3", "512"):
+        seen.clear()
+        assert main(["run", tiny, "-p", prompt, "-n", "4", "--backend", "numpy", "-ub", ub]) == 0
+        outs.append(capsys.readouterr().out)
+        prompt_passes = [n for n in seen if n > 1]
+        assert prompt_passes and max(prompt_passes) <= int(ub)
+    assert len(set(outs)) == 1
 
 
 def test_kernel_bench_is_untouched():
