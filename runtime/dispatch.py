@@ -32,6 +32,7 @@ class Choice:
     source: str = "default"   # "default", "profile" or "rule" (mmf_choice)
     paths: tuple[str, ...] = ()   # a profile entry's: the paths its study measured
     kept_default: bool = False    # a profile entry's: its study found nothing faster than its default
+    trials: int | None = None     # a profile entry's: how many specs its study timed
 
 
 def _pow2_at_least(v: float, lo: int, hi: int) -> int:
@@ -238,13 +239,20 @@ def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
     return MmfSpec(qtype, x, y, warps, quant_type(qtype).whole_kblocks(kblocks), stages, ids=ids, splits=splits)
 
 
+# Fewer trials than this: the study timed its seeds (the default, the profile's incumbent,
+# each other path's default) and hardly more.
+SHORT_STUDY_TRIALS = 8
+
+
 def _current(found: Choice | None, default: Choice) -> Choice | None:
-    """A profile entry that kept the default of its day, where today's default is another
-    spec, says nothing today's rules do not: they are used. (The shipped H200 profile's
-    Qwen3 q8_0 entry at 2048 tokens kept x64 tiles after one trial, 621.3 us; the rule's x32
-    tile takes 403.9, the f16 tile 367.8; q4_0's 398.4 against 331.4.) An entry that found a
-    faster spec stands."""
-    if found is not None and found.kept_default and found.spec != default.spec:
+    """A profile entry that kept the default of its day after a short study, where today's
+    default is another spec, says nothing today's rules do not: they are used. (The shipped
+    H200 profile's Qwen3 q8_0 entry at 2048 tokens kept x64 tiles after one trial, 621.3 us;
+    the rule's x32 tile takes 403.9, the f16 tile 367.8; q4_0's 398.4 against 331.4.) An
+    entry that found a faster spec stands, and so does a default that won a longer study
+    (the dense one-token entries kept the plain mat-vec over 18 trials)."""
+    if (found is not None and found.kept_default and found.trials is not None
+            and found.trials < SHORT_STUDY_TRIALS and found.spec != default.spec):
         return None
     return found
 

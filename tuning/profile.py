@@ -115,7 +115,8 @@ class Profile:
         if best is None:
             return None
         return Choice(best.path, best.spec, "profile", tuple(best.extra.get("paths", ())),
-                      kept_default=best.extra.get("default_spec") == best.spec.name)
+                      kept_default=best.extra.get("default_spec") == best.spec.name,
+                      trials=best.extra.get("trials"))
 
 
 # -- validation ----------------------------------------------------------------------------

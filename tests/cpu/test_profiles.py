@@ -197,8 +197,9 @@ def test_nearest_bucket_never_returns_an_illegal_path():
 
 
 def test_an_entry_that_kept_an_outdated_default_gives_way_to_todays_rules(monkeypatch):
-    """An entry whose study kept the default of its day says nothing once the defaults have
-    moved on; one that found a faster spec stands (dispatch._current)."""
+    """An entry whose short study kept the default of its day says nothing once the defaults
+    have moved on; one that found a faster spec stands, and so does a default that won a
+    longer study (dispatch._current)."""
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
     today = dispatch.default_mul_mat_id("q4_0", *QWEN, 2048).spec
     old_default = MmqSpec("q4_0", x=64, y=128, warps=4)
@@ -214,6 +215,10 @@ def test_an_entry_that_kept_an_outdated_default_gives_way_to_todays_rules(monkey
     monkeypatch.setattr(profiles_hook, "lookup", lambda *a: p.choose(*a))
     assert dispatch.choose_mul_mat_id("q4_0", *QWEN, 2048).spec == today
     assert dispatch.choose_mul_mat_id("q4_0", *QWEN, 1024).spec == MmqSpec("q4_0", x=16, y=64, warps=4)
+    # a longer study that kept the old default: it stands
+    p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", QWEN, 2048), "mmq_id", old_default, 398.4, 398.4,
+                   {"default_spec": old_default.name, "trials": dispatch.SHORT_STUDY_TRIALS}))
+    assert dispatch.choose_mul_mat_id("q4_0", *QWEN, 2048).spec == old_default
     # the default of its day is today's: the entry is today's default anyway
     monkeypatch.setattr(dispatch, "default_mul_mat_id", lambda *a: dispatch.Choice("mmq_id", old_default))
     assert dispatch.choose_mul_mat_id("q4_0", *QWEN, 2048).source == "profile"
