@@ -106,10 +106,15 @@ def _show(args, pdir: Path) -> int:
         print(f"  {k}: {v}")
     print(f"\n{'op':<10} {'type':<5} {'E,top_k,m,k':<18} {'n':>5} {'path':<10} {'us':>9} {'default':>9} "
           f"{'speedup':>7}  spec")
+    from .runtime.dispatch import outdated
+    from .tuning.space import default_choice
     usable, stale = p.with_current_kernels(templates_hash())
     for key in sorted(p.entries):
         e = p.entries[key]
         mark = "" if key in usable.entries else "  (kernel changed since: not used)"
+        if not mark and outdated(e.choice(), default_choice(key)):
+            t = e.extra["trials"]
+            mark = f"  (kept an older default after {t} trial{'s' if t != 1 else ''}: today's default runs)"
         print(f"{key.op:<10} {key.qtype:<5} {','.join(map(str, key.shape)):<18} {key.n:>5} {e.path:<10} "
               f"{e.us:>9.2f} {e.default_us:>9.2f} {e.speedup:>6.2f}x  {e.spec.name}{mark}")
     if stale:

@@ -251,10 +251,12 @@ def _current(found: Choice | None, default: Choice) -> Choice | None:
     the rule's x32 tile takes 403.9, the f16 tile 367.8; q4_0's 398.4 against 331.4.) An
     entry that found a faster spec stands, and so does a default that won a longer study
     (the dense one-token entries kept the plain mat-vec over 18 trials)."""
-    if (found is not None and found.kept_default and found.trials is not None
-            and found.trials < SHORT_STUDY_TRIALS and found.spec != default.spec):
-        return None
-    return found
+    return None if outdated(found, default) else found
+
+
+def outdated(found: Choice | None, default: Choice) -> bool:
+    return (found is not None and found.kept_default and found.trials is not None
+            and found.trials < SHORT_STUDY_TRIALS and found.spec != default.spec)
 
 
 def _measured_f16(found: Choice | None) -> bool:

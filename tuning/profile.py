@@ -51,6 +51,12 @@ class Entry:
     def speedup(self) -> float:
         return self.default_us / self.us if self.us > 0 else float("nan")
 
+    def choice(self) -> Choice:
+        """What dispatch runs for this entry, with what its study knew (dispatch._current)."""
+        return Choice(self.path, self.spec, "profile", tuple(self.extra.get("paths", ())),
+                      kept_default=self.extra.get("default_spec") == self.spec.name,
+                      trials=self.extra.get("trials"))
+
     def to_dict(self) -> dict:
         k = self.key
         return {"op": k.op, "qtype": k.qtype, "shape": list(k.shape), "n": k.n, "path": self.path,
@@ -112,11 +118,7 @@ class Profile:
             d = abs(math.log2(e.key.n) - ln)
             if d < best_d and path_allows(op, e.path, e.spec, shape, n) is None:
                 best, best_d = e, d
-        if best is None:
-            return None
-        return Choice(best.path, best.spec, "profile", tuple(best.extra.get("paths", ())),
-                      kept_default=best.extra.get("default_spec") == best.spec.name,
-                      trials=best.extra.get("trials"))
+        return best.choice() if best is not None else None
 
 
 # -- validation ----------------------------------------------------------------------------

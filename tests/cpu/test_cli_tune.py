@@ -10,8 +10,9 @@ from moeforge.cli import main
 from moeforge.codegen.compile import ARCHS
 from moeforge.runtime import device
 from moeforge.tuning import profile as pm
+from moeforge.tuning.space import TuneKey
 
-from test_profiles import fake_fp, make_profile
+from test_profiles import QWEN, fake_fp, make_profile
 
 
 @pytest.fixture
@@ -162,6 +163,25 @@ def test_profile_import_export_list_show(no_gpu, capsys, tmp_path):
     assert main(["profile", "path", "--profile-dir", str(pdir)]) == 0
     assert capsys.readouterr().out.strip() == str(pdir)
     assert main(["profile", "show", "--profile-dir", str(pdir)]) == 2   # "this GPU's": there is none
+
+
+def test_profile_show_marks_an_outdated_kept_default(no_gpu, capsys, tmp_path):
+    from moeforge.codegen.render import templates_hash
+    from moeforge.codegen.spec import MmqSpec
+    from moeforge.runtime import dispatch
+    p = pm.Profile(fake_fp(templates=templates_hash()))
+    old = MmqSpec("q4_0", x=64, y=128, warps=4)
+    assert dispatch.default_mul_mat_id("q4_0", *QWEN, 2048).spec != old
+    for n, trials in ((2048, 2), (4096, dispatch.SHORT_STUDY_TRIALS)):
+        p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", QWEN, n), "mmq_id", old, 398.4, 398.4,
+                       {"default_spec": old.name, "trials": trials}))
+    path = tmp_path / "p.yaml"
+    pm.save(p, path)
+    assert main(["profile", "show", str(path)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("mul_mat_id")]
+    assert len(lines) == 2
+    assert "kept an older default after 2 trials: today's default runs" in lines[0]
+    assert "older default" not in lines[1]
 
 
 def test_profile_import_validates(no_gpu, capsys, tmp_path):
