@@ -142,8 +142,9 @@ MMF_MIN_TOKENS_PER_EXPERT = 256
 # 289.2, 357.7 against 514.6, 594.2 against 1123.9.
 MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16, "q4_K": 128, "iq4_xs": 128, "q8_0": 128}
 # q4_K, iq4_xs and q8_0 from 128 tokens an expert, where their int8 tiles fall behind (H200,
-# hot, Qwen3 experts, one call, BENCHMARKS.md "f16 tiles from 128 tokens an expert": n=2048, q4_K x64y256 359.9 against the int8
-# x32 tile's 401.0 us, iq4_xs 380.7 against 432.0, q8_0's wide tile 367.8 against 403.9); at
+# hot, Qwen3 experts, one call, BENCHMARKS.md "f16 tiles from 128 tokens an expert": n=2048,
+# q4_K x64y256 359.9 against the int8 x32 tile's 401.0 us, iq4_xs 380.7 against 432.0, q8_0's
+# wide tile 367.8 against 403.9; DeepSeek-V2-Lite's and gpt-oss-20b's shapes gain as well); at
 # 64 an expert all of them tie (q4_K 220.6 against 223.0), at 32 the int8 tiles win or tie.
 # q4_0's int8 tiles tie the best f16 tile at 128 an expert (331.4 against 325.4): 256 stands.
 # Below 64 tokens an expert the wide tile is mostly empty: narrower f16 tiles (x, y, warps,

@@ -46,6 +46,7 @@ def test_f16_tensor_core_products_match_llama_cpp(parity_models, name, monkeypat
     from moeforge.runtime import dispatch, mmf
     monkeypatch.setattr(dispatch, "MMF_MIN_DENSE_TOKENS", 0)
     monkeypatch.setattr(dispatch, "MMF_MIN_TOKENS_PER_EXPERT", 0)
+    monkeypatch.setattr(dispatch, "MMF_MIN_TOKENS_PER_EXPERT_OF", {})
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: dispatch.MMF_CC_MAJOR[0])
     runs = []
     real = mmf.run_mmf
