@@ -109,17 +109,21 @@ def _show(args, pdir: Path) -> int:
     from .runtime.dispatch import outdated
     from .tuning.space import default_choice
     usable, stale = p.with_current_kernels(templates_hash())
+    old = 0
     for key in sorted(p.entries):
         e = p.entries[key]
         mark = "" if key in usable.entries else "  (kernel changed since: not used)"
         if not mark and outdated(e.choice(), default_choice(key)):
-            t = e.extra["trials"]
+            t, old = e.extra["trials"], old + 1
             mark = f"  (kept an older default after {t} trial{'s' if t != 1 else ''}: today's default runs)"
         print(f"{key.op:<10} {key.qtype:<5} {','.join(map(str, key.shape)):<18} {key.n:>5} {e.path:<10} "
               f"{e.us:>9.2f} {e.default_us:>9.2f} {e.speedup:>6.2f}x  {e.spec.name}{mark}")
     if stale:
         print(f"\n{stale} of {len(p.entries)} entries were timed on kernels whose source has changed; "
               f"this moeforge runs the defaults there until they are tuned again (`moeforge tune --stale`)")
+    if old:
+        print(f"\n{old} of {len(p.entries)} entries kept a default that has changed since, after a short study; "
+              f"today's default runs there until `moeforge tune --stale` re-tunes them")
     return 0
 
 

@@ -124,7 +124,7 @@ def run_tuning(args, keys, deadline: float | None, trials: int | None, cmd: str)
                          f"a study and a profile belong to one kind of GPU")
                     return 2
         smem = device_info()["smem_per_block_optin"]
-    if keys is None:   # --stale: the buckets of this GPU's profile whose kernels changed
+    if keys is None:   # --stale: the buckets of this GPU's profile the runtime does not take as they are
         said = []
         src, keys = merge.stale_keys(fp, paths.profile_dir(args.profile_dir), warn=said.append)
         if said:
@@ -135,8 +135,8 @@ def run_tuning(args, keys, deadline: float | None, trials: int | None, cmd: str)
                   f"shipped: nothing is stale (`moeforge generate-and-tune` makes one)")
             return 0
         if not keys:
-            print(f"moeforge {cmd}: every entry of {src} was timed on the kernels of this moeforge: "
-                  f"nothing to re-tune")
+            print(f"moeforge {cmd}: every entry of {src} was timed on the kernels of this moeforge, and none "
+                  f"kept a default that has changed since: nothing to re-tune")
             return 0
         print(f"moeforge {cmd}: {len(keys)} entries of {src} were timed on kernels that have changed since",
               file=sys.stderr)
@@ -259,7 +259,8 @@ def add_commands(sub) -> None:
                           "default: those three)")
     src.add_argument("--stale", action="store_true",
                      help="re-tune the buckets of this GPU's profile whose kernels have changed since they "
-                          "were timed (after a template edit), and merge them in")
+                          "were timed (after a template edit), or whose short study kept a default that has "
+                          "changed since, and merge them in")
     t.add_argument("--types", default=None, help="quant types, comma separated (default: q4_0,q8_0)")
     t.add_argument("--op", choices=("mul_mat_id", "mul_mat"), default="mul_mat_id",
                    help="mul_mat_id: expert products; mul_mat: dense (with --model, its own projections)")

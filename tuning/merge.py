@@ -60,14 +60,19 @@ def base_profile(fp: dict, path: Path, warn) -> Profile:
 
 
 def stale_keys(fp: dict, profile_dir, warn) -> tuple[Path | None, list]:
-    """The buckets of this fingerprint's profile whose kernels have changed since they were
-    timed (what `moeforge tune --stale` re-tunes), and the profile they come from."""
+    """The buckets of this fingerprint's profile that the runtime does not take as they are
+    (what `moeforge tune --stale` re-tunes): those whose kernels have changed since they were
+    timed, and those whose short study kept a default that is no longer today's
+    (dispatch.outdated). Returns them and the profile they come from."""
+    from ..runtime.dispatch import outdated
+    from .space import default_choice
     path = Path(profile_dir) / file_name(fp)
     src = _source(path, warn, set_aside=False)
     if src is None:
         return None, []
     kept, _ = src.with_current_kernels(fp["templates"])
-    return Path(src.source), sorted(set(src.entries) - set(kept.entries))
+    old = {k for k, e in kept.entries.items() if outdated(e.choice(), default_choice(k))}
+    return Path(src.source), sorted(set(src.entries) - set(kept.entries) | old)
 
 
 def save_results(fp: dict, results, profile_dir, default_name, warn) -> Path | None:

@@ -178,7 +178,9 @@ def test_profile_show_marks_an_outdated_kept_default(no_gpu, capsys, tmp_path):
     path = tmp_path / "p.yaml"
     pm.save(p, path)
     assert main(["profile", "show", str(path)]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("mul_mat_id")]
+    out = capsys.readouterr().out
+    assert "1 of 2 entries kept a default that has changed since" in out and "moeforge tune --stale" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("mul_mat_id")]
     assert len(lines) == 2
     assert "kept an older default after 2 trials: today's default runs" in lines[0]
     assert "older default" not in lines[1]

@@ -165,6 +165,24 @@ def test_tune_stale_retunes_exactly_the_changed_buckets(tmp_path, monkeypatch, c
     assert "does not combine with --n" in capsys.readouterr().err
 
 
+def test_stale_buckets_include_an_outdated_kept_default(tmp_path, monkeypatch):
+    """A bucket whose short study kept a default that is no longer today's is re-tuned by
+    --stale as well: the runtime runs today's default there, not the entry."""
+    from moeforge.cli_tune import _standin_fingerprint
+    from moeforge.runtime import dispatch
+    now = _standin_fingerprint()
+    p = hashed(now)
+    old = MmqSpec("q4_0", x=64, y=128, warps=4)
+    for n, trials in ((2048, 2), (1024, dispatch.SHORT_STUDY_TRIALS)):
+        assert dispatch.default_mul_mat_id("q4_0", *QWEN, n).spec != old
+        p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", QWEN, n), "mmq_id", old, 398.4, 398.4,
+                       {"default_spec": old.name, "trials": trials, "kernel": source_hash(old)}))
+    pdir = tmp_path / "prof"
+    pm.save(p, pdir / pm.file_name(now))
+    src, keys = merge.stale_keys(now, pdir, warn=pytest.fail)
+    assert [k.n for k in keys] == [2048]
+
+
 def test_tune_stale_reports_a_corrupt_profile_and_leaves_it(tmp_path, monkeypatch, capsys):
     from moeforge.cli import main
     from moeforge.cli_tune import _standin_fingerprint
