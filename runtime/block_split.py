@@ -214,10 +214,9 @@ def _split_q2_k(blocks, xp=np):
 
 def _join_q2_k(qs: np.ndarray) -> np.ndarray:
     """The inverse of _split_q2_k: (.., 8, 16) -> (.., 84)."""
+    from .quantize import pack_q2_k
     lead = qs.shape[:-2]
     b = qs.reshape(-1, 8, 16)
     n = b.shape[0]
-    q = _low_parts(b[:, :, :8]).reshape(n, 2, 4, 32)                               # (n, j, l)
-    packed = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
-    out = np.concatenate([b[:, :, 8:10].reshape(n, 16), packed.reshape(n, 64), b[:, 0, 12:16]], axis=-1)
-    return out.reshape(*lead, 84)
+    return pack_q2_k(_low_parts(b[:, :, :8]).reshape(n, 256), b[:, :, 8:10].reshape(n, 16),
+                     b[:, 0, 12:16]).reshape(*lead, 84)

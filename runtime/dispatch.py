@@ -245,17 +245,13 @@ def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
 SHORT_STUDY_TRIALS = 8
 
 
-def _current(found: Choice | None, default: Choice) -> Choice | None:
-    """A profile entry that kept the default of its day after a short study, where today's
-    default is another spec, says nothing today's rules do not: they are used. (The shipped
-    H200 profile's Qwen3 q8_0 entry at 2048 tokens kept x64 tiles after one trial, 621.3 us;
-    the rule's x32 tile takes 403.9, the f16 tile 367.8; q4_0's 398.4 against 331.4.) An
-    entry that found a faster spec stands, and so does a default that won a longer study
-    (the dense one-token entries kept the plain mat-vec over 18 trials)."""
-    return None if outdated(found, default) else found
-
-
 def outdated(found: Choice | None, default: Choice) -> bool:
+    """A profile entry that kept the default of its day after a short study, where today's
+    default is another spec: it says nothing today's rules do not, and they are used. (The
+    shipped H200 profile's Qwen3 q8_0 entry at 2048 tokens kept x64 tiles after one trial,
+    621.3 us; the rule's x32 tile takes 403.9, the f16 tile 367.8; q4_0's 398.4 against
+    331.4.) An entry that found a faster spec stands, and so does a default that won a
+    longer study (the dense one-token entries kept the plain mat-vec over 18 trials)."""
     return (found is not None and found.kept_default and found.trials is not None
             and found.trials < SHORT_STUDY_TRIALS and found.spec != default.spec)
 
@@ -269,18 +265,28 @@ def _without_f16(found: Choice | None) -> Choice | None:
     return None if found is not None and found.path in F16_PATHS else found
 
 
+def _resolve(found: Choice | None, default, f16: bool, rule) -> Choice:
+    """A product's choice from the profile's entry (found), today's default (default()) and
+    the f16 rule (rule(): mmf_choice, or None): an outdated entry counts for nothing; the
+    rule goes ahead of an entry whose study did not time the f16 tiles. The callables run
+    only where needed: this is on every eager product's path."""
+    if found is not None and found.kept_default and outdated(found, default()):
+        found = None
+    if not f16:
+        found = _without_f16(found)
+    elif not _measured_f16(found):
+        chosen = rule()
+        if chosen is not None:
+            return chosen
+    return found if found is not None else default()
+
+
 def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int, f16: bool = True) -> Choice:
     """f16 False (a tensor the f16 tiles cannot hold, QuantTensor.f16_fits): an int8 path,
     the profile's where it chose one, else the default."""
     from .profiles_hook import lookup
-    found = _current(lookup("mul_mat_id", qtype, (E, top_k, m, k), n), default_mul_mat_id(qtype, E, top_k, m, k, n))
-    if not f16:
-        found = _without_f16(found)
-    elif not _measured_f16(found):
-        rule = mmf_choice(qtype, n, n * top_k / E)
-        if rule is not None:
-            return rule
-    return found if found is not None else default_mul_mat_id(qtype, E, top_k, m, k, n)
+    return _resolve(lookup("mul_mat_id", qtype, (E, top_k, m, k), n),
+                    lambda: default_mul_mat_id(qtype, E, top_k, m, k, n), f16, lambda: mmf_choice(qtype, n, n * top_k / E))
 
 
 def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
@@ -292,14 +298,8 @@ def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -
 
 def choose_mul_mat(qtype: str, m: int, k: int, n: int, f16: bool = True) -> Choice:
     from .profiles_hook import lookup
-    found = _current(lookup("mul_mat", qtype, (1, 1, m, k), n), default_mul_mat(qtype, m, k, n))
-    if not f16:
-        found = _without_f16(found)
-    elif not _measured_f16(found):
-        rule = mmf_choice(qtype, n, None, m)
-        if rule is not None:
-            return rule
-    return found if found is not None else default_mul_mat(qtype, m, k, n)
+    return _resolve(lookup("mul_mat", qtype, (1, 1, m, k), n), lambda: default_mul_mat(qtype, m, k, n),
+                    f16, lambda: mmf_choice(qtype, n, None, m))
 
 
 def default_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:

@@ -136,11 +136,17 @@ def quantize_q2_k(x: np.ndarray) -> np.ndarray:
         mn = np.where(m64 > 0, np.rint(-lo / m64), 0).clip(0, 15).astype(np.uint8)
         step = (d64 * sc)[..., None]
         qv = np.where(step > 0, np.rint((grp + (m64 * mn)[..., None]) / step), 0).clip(0, 3).astype(np.uint8)
-    q = qv.reshape(-1, 2, 4, 32)                                                  # (n, j, l)
-    qs = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
-    out = np.concatenate([sc | (mn << 4), qs.reshape(-1, 64), d.view(np.uint8).reshape(-1, 2),
-                          dmin.view(np.uint8).reshape(-1, 2)], axis=-1)
-    return out.reshape(rows, nsb * 84)
+    dd = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)], axis=-1)
+    return pack_q2_k(qv.reshape(-1, 256), sc | (mn << 4), dd).reshape(rows, nsb * 84)
+
+
+def pack_q2_k(q: np.ndarray, scale_mins: np.ndarray, dd: np.ndarray) -> np.ndarray:
+    """q2_K super-blocks (n, 84) from the quants 0..3 (n, 256) uint8 in weight order, the
+    sixteen (scale | min << 4) bytes (n, 16) and d's and dmin's bytes (n, 4): ggml's layout
+    (weight 128n + 32j + l: bits 2j of qs[32n + l])."""
+    v = q.reshape(-1, 2, 4, 32)                                                   # (n, j, l)
+    qs = v[:, :, 0] | (v[:, :, 1] << 2) | (v[:, :, 2] << 4) | (v[:, :, 3] << 6)
+    return np.concatenate([scale_mins, qs.reshape(-1, 64), dd], axis=-1)
 
 
 def quantize_q3_k(x: np.ndarray) -> np.ndarray:

@@ -52,7 +52,7 @@ class Entry:
         return self.default_us / self.us if self.us > 0 else float("nan")
 
     def choice(self) -> Choice:
-        """What dispatch runs for this entry, with what its study knew (dispatch._current)."""
+        """What dispatch runs for this entry, with what its study knew (dispatch.outdated)."""
         return Choice(self.path, self.spec, "profile", tuple(self.extra.get("paths", ())),
                       kept_default=self.extra.get("default_spec") == self.spec.name,
                       trials=self.extra.get("trials"))

@@ -199,7 +199,7 @@ def test_nearest_bucket_never_returns_an_illegal_path():
 def test_an_entry_that_kept_an_outdated_default_gives_way_to_todays_rules(monkeypatch):
     """An entry whose short study kept the default of its day says nothing once the defaults
     have moved on; one that found a faster spec stands, and so does a default that won a
-    longer study (dispatch._current)."""
+    longer study (dispatch.outdated)."""
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
     today = dispatch.default_mul_mat_id("q4_0", *QWEN, 2048).spec
     old_default = MmqSpec("q4_0", x=64, y=128, warps=4)
