@@ -144,9 +144,8 @@ def _rows_one_by_one(q, k, v, hp, pos0, precision):
 
 
 @pytest.mark.parametrize("precision", ["f16", "tf32"])
-def test_tensor_core_emulation_steps_and_accuracy(precision):
+def test_tensor_core_emulation_steps_and_accuracy(precision, rng):
     hp = _hp(8, 2, 32)
-    rng = np.random.default_rng()
     n, pos0 = 21, 43
     q = (2 * rng.standard_normal((n, hp.q_dim))).astype(np.float32)
     k = rng.standard_normal((pos0 + n + 5, hp.kv_dim)).astype(np.float32)
@@ -165,7 +164,7 @@ def test_tensor_core_emulation_steps_and_accuracy(precision):
     assert 1e-12 < nmse < 1e-5, nmse       # the rounding shows, far inside the 5e-4 bar
 
 
-def test_ldmatrix_fragments_are_the_tf32_fragments_of_the_mma():
+def test_ldmatrix_fragments_are_the_tf32_fragments_of_the_mma(rng):
     """attn_prefill_tc loads q and key fragments with ldmatrix (lane l gives the address of
     row l%8 of matrix l/8; lane t receives word t%4 of row t/4 of each matrix). With the row
     addresses as the kernel writes them, each lane must receive the words of mma m16n8k8's
@@ -178,7 +177,6 @@ def test_ldmatrix_fragments_are_the_tf32_fragments_of_the_mma():
     expr = {name: re.search(rf"const unsigned\* {name} = (\w+) \+ (.+?);", body).group(2) for name in ("qa", "ka")}
     assert "ldsm_x4(a, qa + c);" in body and "ldsm_x4(b01, ka + c);" in body and "ldsm_x4(b23, ka + 16 * lk + c);" in body
     hd, lq, lk = 128, 132, 132
-    rng = np.random.default_rng()
     q = rng.integers(0, 2**31, size=16 * lq)     # words: any distinct-enough pattern
     k = rng.integers(0, 2**31, size=32 * lk)
 
@@ -215,7 +213,7 @@ def _ldmatrix(halves, row_of_lane, trans=False):
 
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("hd", [128, 48])
-def test_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache):
+def test_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache, rng):
     """attn_prefill_fa's q fragments (from global memory) and its key and (transposed) value
     row addresses, as the rendered kernel writes them (for either cache: the tiles' layout
     is the same), fed through ldmatrix and m16n8k16 as PTX defines them: a warp's S must be
@@ -243,7 +241,6 @@ def test_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache):
     for i, x in enumerate(("x0", "x1", "x2", "x3")):
         assert f"qf[c][{i}] = f16x2_of({x}.x * scale_log2, {x}.y * scale_log2);" in body
     ls = hd + 8
-    rng = np.random.default_rng()
     q = rng.standard_normal((16, hd))
     k, v = (rng.standard_normal(64 * ls) for _ in range(2))
     lanes = [dict(lm=ln >> 3, lr=ln & 7, ls=ls) for ln in range(32)]
