@@ -230,17 +230,14 @@ class NumpyBackend(Backend):
         return out.reshape(n, top_k, m)
 
     def route(self, logits, top_k, scale):
-        ids = np.argsort(-_router_probs(logits), axis=-1, kind="stable")[:, :top_k].astype(np.int32)
-        return ids, self.route_weights(logits, ids, scale)
+        p = _router_probs(logits)
+        ids = np.argsort(-p, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+        return ids, _renormalised(p, ids, scale)
 
     def route_weights(self, logits, ids, scale):
         """The renormalised weights of the experts ids, whichever chose them (tests route a
         float model on the experts that its kernel numerics picked)."""
-        w = np.take_along_axis(_router_probs(logits), ids, axis=-1).astype(_F64)
-        w /= np.maximum(w.sum(axis=-1, keepdims=True), 6.103515625e-5)
-        if scale not in (0.0, 1.0):
-            w *= scale
-        return w.astype(np.float32)
+        return _renormalised(_router_probs(logits), ids, scale)
 
     def swiglu(self, gu, name):
         ff = gu.shape[-1] // 2
@@ -262,3 +259,11 @@ def _router_probs(logits):
     z = logits.astype(_F64)
     p = np.exp(z - z.max(axis=-1, keepdims=True))
     return (p / p.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def _renormalised(p, ids, scale):
+    w = np.take_along_axis(p, ids, axis=-1).astype(_F64)
+    w /= np.maximum(w.sum(axis=-1, keepdims=True), 6.103515625e-5)
+    if scale not in (0.0, 1.0):
+        w *= scale
+    return w.astype(np.float32)
