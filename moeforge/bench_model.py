@@ -1,7 +1,8 @@
 """`moeforge bench MODEL.gguf`: whole-model speed in llama-bench's table, and `--sweep` in
 sweep-bench's (ik_llama.cpp), so the numbers sit next to llama.cpp's on the same file.
 
-pp N: N prompt tokens into an empty context (ubatches of --ubatch), logits of the last
+pp N: N prompt tokens into an empty context (ubatches of --ubatch: by default as large as
+the GPU's free memory allows, up to 4096, shown as n_ubatch where not 512), logits of the last
 token only; tg N: N tokens decoded one at a time from an empty context. With -d D (as
 llama-bench's --n-depth), the context first holds D tokens (processed untimed, once per
 test) and each run starts after them: "pp512 @ d4096". Each test runs
@@ -92,12 +93,16 @@ def format_llama_bench(model, rows, backend_label: str) -> str:
     params = f"{model.n_params / 1e9:.2f} B" if model.n_params >= 1e9 else f"{model.n_params / 1e6:.2f} M"
     body = [[model_label(model), size, params,
              backend_label, "99", r["test"], f"{r['t_s_mean']:.2f} ± {r['t_s_std']:.2f}"] for r in rows]
-    cache = model.backend.cache_type
-    if cache != "f32":      # as llama-bench shows type_k and type_v where they are not its default
-        head.insert(5, "type_kv")
+    # as llama-bench shows n_ubatch, type_k and type_v where they are not its defaults
+    # (moeforge's ubatch is larger by default: runtime.backend.AUTO_UBATCHES)
+    extra = [(name, value) for name, value, default in (("n_ubatch", str(model.n_ubatch), "512"),
+                                                        ("type_kv", model.backend.cache_type, "f32"))
+             if value != default]
+    for i, (name, value) in enumerate(extra):
+        head.insert(5 + i, name)
         for b in body:
-            b.insert(5, cache)
-    right = {1, 2, 4, len(head) - 2, len(head) - 1}
+            b.insert(5 + i, value)
+    right = {1, 2, 4, len(head) - 2, len(head) - 1} | ({5} if extra and extra[0][0] == "n_ubatch" else set())
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     widths[0], widths[-1] = max(widths[0], 30), max(widths[-1], 20)
 
@@ -152,8 +157,8 @@ def _profile(model, args) -> int:
     depth = max(args.d)
     step_past = depth or PROFILE_PAST
     for label, n, past in ((f"decode step: 1 token after {step_past} cached", 1, step_past),
-                           (f"prompt: one ubatch of {args.ubatch} tokens" + (f" after {depth} cached" if depth else ""),
-                            args.ubatch, depth)):
+                           (f"prompt: one ubatch of {model.n_ubatch} tokens" + (f" after {depth} cached" if depth else ""),
+                            model.n_ubatch, depth)):
         prof = profile_forward(model, n, rng, n_past=past)
         print(format_profile(prof, f"{model_label(model)}, {model.backend.cache_type} KV cache, {label}"), end="\n\n")
         result[label] = {"method": prof.method, "total_us": round(prof.total_us, 2),
@@ -171,10 +176,11 @@ def main(args) -> int:
         print("moeforge bench: timing a model needs a CUDA GPU, and none was found "
               "(--backend numpy runs the same tables on the CPU, for testing only)", file=sys.stderr)
         return 2
+    from .runtime.backend import AUTO_UBATCHES
     from .runtime.model import load_model
     n_ctx = args.ctx if args.sweep else max(args.d) + max([*args.p, *args.n, 1]) + 1
     if args.profile:
-        n_ctx = max(n_ctx, max(args.d) + PROFILE_PAST + args.ubatch + 1)
+        n_ctx = max(n_ctx, max(args.d) + PROFILE_PAST + (args.ubatch or AUTO_UBATCHES[0]) + 1)
     t0 = time.perf_counter()
     model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch,
                        attn_precision=getattr(args, "attn_precision", None),
@@ -194,6 +200,6 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "label": model_label(model), "backend": label, "load_s": round(load_s, 2),
-                       "cache_type": model.backend.cache_type,
+                       "cache_type": model.backend.cache_type, "n_ubatch": model.n_ubatch,
                        "sweep" if args.sweep else "tests": rows}, fh, indent=1)
     return 0

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..codegen.spec import ModelSpec
 from . import decode_attention, dispatch, ops, prompt_attention
-from .backend import Backend, KVCache
+from .backend import Backend, KVCache, choose_ubatch, prompt_bytes_per_token
 from .device import device_info, require_gpu
 from .graphs import PassGraphs
 from .kernels import grid_1d, load
@@ -185,6 +185,15 @@ class CudaBackend(CudaMoeOps, Backend):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def auto_ubatch(self, n_ctx: int) -> int:
+        """The largest ubatch whose buffers fit in a quarter of the memory free now (after
+        the weights and the cache; CuPy's pool's free blocks count as free)."""
+        free = self.cp.cuda.runtime.memGetInfo()[0] + self.cp.get_default_memory_pool().free_bytes()
+        info = self._device()
+        cublas = prompt_attention.kernel_for(self.hp, info["cc"], self.attn_precision or "f32",
+                                             info["smem_per_block_optin"], self.cache_type) is None
+        return choose_ubatch(free, prompt_bytes_per_token(self.hp, n_ctx if cublas else 0))
 
     def new_cache(self, n_ctx: int) -> KVCache:
         with self.stream:

@@ -18,13 +18,18 @@ from .sampling import Sampler, Sampling
 
 ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe), arch_gptoss.ARCH: (arch_gptoss, graph_gptoss)}
 BACKENDS = ("cuda", "numpy")
+# With n_ubatch=None, a pass that returns every row's logits (logits(), perplexity) takes at
+# most this many tokens: its logits alone are n x n_vocab floats (Qwen3's 151936: 2.5 GB at
+# 4096), and such passes are short anyway (perplexity's chunks are 512).
+ALL_LOGITS_UBATCH = 512
 
 
 class Model:
-    def __init__(self, f: GGUFFile, backend: str = "cuda", *, n_ctx: int | None = None, n_ubatch: int = 512,
+    def __init__(self, f: GGUFFile, backend: str = "cuda", *, n_ctx: int | None = None, n_ubatch: int | None = None,
                  numerics: str = "float", merge_gate_up: bool = True, attn_precision: str | None = None,
                  cache_type: str = "f32", progress=None):
-        if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, (int, np.integer)) or n_ubatch < 1:
+        if n_ubatch is not None and (isinstance(n_ubatch, bool) or not isinstance(n_ubatch, (int, np.integer))
+                                     or n_ubatch < 1):
             raise ValueError(f"n_ubatch (prompt tokens per forward pass) must be a positive integer, got {n_ubatch!r}")
         arch_name = f.architecture
         if arch_name not in ARCHS:
@@ -48,9 +53,12 @@ class Model:
         self.weights = self.backend.upload(refs, progress)
         self.n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
         self.n_bytes = sum(t.nbytes for t in f.tensors.values())
-        self.n_ubatch = n_ubatch
         self.n_ctx = n_ctx or min(self.hp.n_ctx_train, 4096)
         self.cache = self.backend.new_cache(self.n_ctx)
+        # None: the backend's choice (runtime.backend.AUTO_UBATCHES), after the weights and
+        # the cache took their memory; ALL_LOGITS_UBATCH where every row's logits come back
+        self.ubatch_auto = n_ubatch is None
+        self.n_ubatch = int(n_ubatch) if n_ubatch is not None else self.backend.auto_ubatch(self.n_ctx)
         self.reset()
         self._tokenizer = None
 
@@ -99,10 +107,13 @@ class Model:
         if self.n_past + ids.size > self.cache.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {ids.size} tokens > n_ctx {self.cache.n_ctx}")
         outs = []
+        ub = self.n_ubatch
+        if self.ubatch_auto and want_logits and not last_only:
+            ub = min(ub, ALL_LOGITS_UBATCH)
         with self.backend.context():
-            for lo in range(0, ids.size, self.n_ubatch):
-                final = lo + self.n_ubatch >= ids.size
-                out = self._step(ids[lo:lo + self.n_ubatch], last_only=last_only or not want_logits)
+            for lo in range(0, ids.size, ub):
+                final = lo + ub >= ids.size
+                out = self._step(ids[lo:lo + ub], last_only=last_only or not want_logits)
                 if want_logits and final and last_only and reuse:
                     return self.backend.to_host_reused(out)[-1:]
                 if want_logits and (final or not last_only):
@@ -264,7 +275,10 @@ def load_model(path, backend: str = "cuda", **kwargs) -> Model:
     "f32" (default: f16 where the attention weights are quantized or the cache is f16, else
     f32; runtime.prompt_attention). cache_type: the KV cache's, "f32" (the default: exact)
     or "f16" (half the memory and of what attention reads; llama.cpp's default, with its
-    range: values past 65504 become inf). Validation errors are GGUFError (a ValueError)."""
+    range: values past 65504 become inf). n_ubatch: prompt tokens a forward pass (default:
+    the largest of 4096/2048/1024/512 the free memory allows on a GPU, 512 where every row's
+    logits come back and on numpy; 512 is llama.cpp's default). Validation errors are
+    GGUFError (a ValueError)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cuda":

@@ -133,6 +133,20 @@ def test_bench_routes_gguf_to_the_model_bench(tiny, capsys, tmp_path):
     assert data["load_s"] > 0
 
 
+def test_bench_table_names_a_ubatch_other_than_llama_benchs(tiny, capsys, tmp_path):
+    """n_ubatch as llama-bench shows it: a column where it is not 512, before type_kv."""
+    out = tmp_path / "u.json"
+    assert main(["bench", tiny, "--backend", "numpy", "-p", "8", "-n", "0", "-r", "1", "-ub", "4",
+                 "--cache-type", "f16", "--json", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [c.strip() for c in table[0].split("|")[1:-1]][4:8] == ["ngl", "n_ubatch", "type_kv", "test"]
+    assert [c.strip() for c in table[2].split("|")[1:-1]][5:7] == ["4", "f16"]
+    assert table[1].split("|")[6].strip().endswith(":")   # right-aligned, as a number
+    assert json.loads(out.read_text())["n_ubatch"] == 4
+    assert main(["bench", tiny, "--backend", "numpy", "-p", "8", "-n", "0", "-r", "1"]) == 0
+    assert "n_ubatch" not in capsys.readouterr().out       # numpy's own ubatch is 512
+
+
 def test_bench_at_depth(tiny, capsys, tmp_path):
     """-d as llama-bench's: each test after that many tokens in the context, labelled so."""
     out = tmp_path / "d.json"

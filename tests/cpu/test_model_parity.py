@@ -70,6 +70,53 @@ def test_ubatches_do_not_change_logits(parity_models):
     np.testing.assert_allclose(m.logits(fx["tokens"]), fx["logits"], atol=F32_BAR, rtol=0)
 
 
+def test_the_default_ubatch_is_the_backends_and_smaller_where_all_logits_return(parity_models, monkeypatch):
+    """n_ubatch=None: the backend's choice (a GPU's grows with its free memory) for passes
+    that keep the last row's logits; ALL_LOGITS_UBATCH caps passes that return every row's;
+    a ubatch the caller names is kept for both. The logits do not depend on any of it."""
+    from moeforge.runtime import model as model_mod
+    from moeforge.runtime.backend_numpy import NumpyBackend
+    fx = parity_models["f32"]
+    assert load_model(fx["path"], backend="numpy").n_ubatch == 512
+    monkeypatch.setattr(NumpyBackend, "auto_ubatch", lambda self, n_ctx: 8)
+    monkeypatch.setattr(model_mod, "ALL_LOGITS_UBATCH", 5)
+    passes, real = [], model_mod.Model._step
+    monkeypatch.setattr(model_mod.Model, "_step", lambda self, ids, last_only: passes.append(len(ids))
+                        or real(self, ids, last_only))
+    toks = fx["tokens"][:19]
+    auto = load_model(fx["path"], backend="numpy")
+    assert (auto.n_ubatch, auto.ubatch_auto) == (8, True)
+    every = auto.logits(toks)
+    assert passes == [5, 5, 5, 4]
+    passes.clear()
+    auto.reset(len(toks))
+    last = auto.eval(toks, last_only=True)
+    assert passes == [8, 8, 3]
+    passes.clear()
+    named = load_model(fx["path"], backend="numpy", n_ubatch=8)
+    assert named.ubatch_auto is False
+    np.testing.assert_allclose(named.logits(toks), every, atol=1e-5, rtol=0)
+    assert passes == [8, 8, 3]
+    np.testing.assert_allclose(last, every[-1:], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="n_ubatch"):
+        load_model(fx["path"], backend="numpy", n_ubatch=0)
+
+
+def test_the_gpus_ubatch_follows_its_free_memory():
+    """The largest of AUTO_UBATCHES whose estimated buffers fit a quarter of the free memory:
+    Qwen3-30B-A3B's widths take 4096 with ~6 GB free; cuBLAS's attention scores count."""
+    from moeforge.runtime.backend import AUTO_UBATCHES, choose_ubatch, prompt_bytes_per_token
+    from moeforge.synth import preset
+    hp = preset("qwen3-30b-a3b")     # the fields the estimate reads, as the model's HParams has them
+    per_token = prompt_bytes_per_token(hp)
+    assert 315_000 <= per_token <= 2 * 341_000         # at least what an H200 measured, not far past it
+    assert choose_ubatch(4 * 4096 * per_token, per_token) == 4096
+    assert choose_ubatch(4 * 4096 * per_token - 1, per_token) == 2048
+    assert choose_ubatch(4 * 1024 * per_token, per_token) == 1024
+    assert choose_ubatch(0, per_token) == AUTO_UBATCHES[-1] == 512
+    assert prompt_bytes_per_token(hp, scores_ctx=8192) == per_token + 4 * 2 * hp.n_head * 8192
+
+
 def test_separate_gate_up_equals_merged(parity_models):
     fx = parity_models["q4_0"]
     a = load_model(fx["path"], backend="numpy", merge_gate_up=True)

@@ -168,7 +168,7 @@ def test_full_width_layers_run(tmp_path):
     from moeforge.synth import preset, write_qwen3moe
     path = str(tmp_path / "wide.gguf")
     write_qwen3moe(path, preset("qwen3-30b-a3b", n_layer=2), "q4_0", skewed_router=True)
-    m = load_model(path, backend="cuda", n_ctx=1100)
+    m = load_model(path, backend="cuda", n_ctx=1100, n_ubatch=512)
     toks = np.random.default_rng(0).integers(0, m.hp.n_vocab, size=1030)
     with warnings.catch_warnings():
         warnings.simplefilter("error")      # a refused capture warns: fail here
@@ -177,6 +177,15 @@ def test_full_width_layers_run(tmp_path):
     assert m.backend.graphs.captured(("prompt", 512, True))     # the second ubatch of 512
     steps = np.concatenate([m.eval([t]) for t in toks[:8]])
     assert np.isfinite(steps).all() and m.backend.graphs.captured("decode")
+    # the default ubatch: 4096 where a quarter of the free memory holds its buffers (a
+    # 2-layer model on an H100 or H200), so the prompt is one pass, on other expert tiles
+    del m
+    auto = load_model(path, backend="cuda", n_ctx=1100)
+    assert auto.ubatch_auto and auto.n_ubatch == 4096
+    one = auto.eval(toks, last_only=True)
+    assert auto.backend.graphs._warm.get(("prompt", 1030, True)) is not None
+    cos = float((one * last).sum() / np.sqrt((one * one).sum() * (last * last).sum()))
+    assert np.isfinite(one).all() and cos > 0.99, f"cosine {cos:.4f} to the 512-token ubatches' logits"
 
 
 def test_bench_command_runs(tmp_path, capsys):
