@@ -63,6 +63,12 @@ MMF_TILES = ((64, 128, 8, 4, 3), (128, 128, 4, 4, 2), (32, 128, 4, 8, 3), (32, 2
              (64, 256, 8, 4, 3))
 
 
+# A block's opt-in shared memory on sm_90 (H100, H200): a tile whose stages pass it is also
+# built with one stage fewer (q5_K's x64y256: 251904 bytes at three stages of whole
+# super-blocks, 167936 at two; the two-stage form is q5_K's expert tile, runtime.dispatch).
+SM90_SMEM_PER_BLOCK = 232448
+
+
 # Dense products of few tiles split k over this many blocks a tile (the wide tile: the
 # runtime's rule, runtime.dispatch.mmf_dense_splits; the 64-token one: for the tuner).
 MMF_SPLITS = (2, 3, 4)
@@ -77,6 +83,8 @@ def mmf_specs(q: QuantType) -> list[MmfSpec]:
         x, y, w, kb, st = t
         return x, y, w, q.whole_kblocks(kb), st
     out = [MmfSpec(q.name, *whole(t), ids=ids) for ids in (True, False) for t in MMF_TILES]
+    out += [dataclasses.replace(s, stages=s.stages - 1) for s in out
+            if s.smem_bytes() > SM90_SMEM_PER_BLOCK and s.stages > 2]
     out += [MmfSpec(q.name, *whole(t), ids=False, splits=s) for t in MMF_SPLIT_TILES for s in MMF_SPLITS]
     return list(dict.fromkeys(out))
 

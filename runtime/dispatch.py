@@ -140,7 +140,7 @@ MMF_MIN_TOKENS_PER_EXPERT = 256
 # q3_K n=512 (32 an expert) 228.4 against 159.5 us, n=1024 (64) 230.5 against 261.1, n=2048
 # 357.5 against 451.1, n=4096 590.1 against 968.2; q2_K 229.5 against 178.9, 234.0 against
 # 289.2, 357.7 against 514.6, 594.2 against 1123.9.
-MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16, "q4_K": 128, "iq4_xs": 128, "q8_0": 128}
+MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16, "q5_K": 64, "q4_K": 128, "iq4_xs": 128, "q8_0": 128}
 # q4_K, iq4_xs and q8_0 from 128 tokens an expert, where their int8 tiles fall behind (H200,
 # hot, Qwen3 experts, one call, BENCHMARKS.md "f16 tiles from 128 tokens an expert": n=2048,
 # q4_K x64y256 359.9 against the int8 x32 tile's 401.0 us, iq4_xs 380.7 against 432.0, q8_0's
@@ -158,8 +158,12 @@ MMF_NARROW_TILES = ((32, (32, 256, 8, 8, 2)), (64, (64, 256, 8, 4, 3)))
 # then has only two stages of 8, and x64y256's three stages of 8 beat it for expert products
 # at any count of tokens an expert measured (H200, hot, Qwen3 experts, n=2048 and 4096: q4_K
 # 359.9 and 596.1 us against the wide tile's 432.7 and 723.9, iq4_xs 380.7 and 664.6 against
-# 481.8 and 803.8). q5_K's x64y256 needs more shared memory than an H200 has.
-MMF_EXPERT_TILE_OF = {"q4_K": (64, 256, 8, 4, 3), "iq4_xs": (64, 256, 8, 4, 3)}
+# 481.8 and 803.8). q5_K's x64y256 needs more shared memory than an H200 has at three
+# stages; at two it beats q5_K's int8 tiles from 64 tokens an expert and the wide f16 tile
+# beyond (H200, hot, Qwen3 experts, one call, BENCHMARKS.md "q5_K's two-stage f16 tile":
+# n=1024 237.2 against the int8 default's 249.5 us, n=2048 380.8 against 449.9, n=4096 631.2
+# against the wide tile's 843.7 and the int8 default's 862.5).
+MMF_EXPERT_TILE_OF = {"q4_K": (64, 256, 8, 4, 3), "iq4_xs": (64, 256, 8, 4, 3), "q5_K": (64, 256, 8, 4, 2)}
 MMF_CC_MAJOR = (9,)
 
 
@@ -212,7 +216,8 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     overrides this (choose_mul_mat*); the shipped profiles predate them. On other cards the
     int8 tiles stay unless a profile says otherwise. q2_K and q3_K, whose int8 tiles pay two
     IMMA a fragment, take the f16 tiles from 16 tokens an expert, narrower ones below 64;
-    q4_K, iq4_xs and q8_0 from 128 (MMF_MIN_TOKENS_PER_EXPERT_OF, MMF_NARROW_TILES)."""
+    q5_K from 64 (two stages of x64y256), q4_K, iq4_xs and q8_0 from 128
+    (MMF_MIN_TOKENS_PER_EXPERT_OF, MMF_NARROW_TILES, MMF_EXPERT_TILE_OF)."""
     if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
         return None
     ids = tokens_per_expert is not None

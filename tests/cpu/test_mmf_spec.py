@@ -225,6 +225,26 @@ def test_the_rules_tiles_are_generated(monkeypatch):
                 assert c is not None and c.spec in built, c
 
 
+def test_a_tile_past_sm90s_shared_memory_comes_with_one_stage_fewer(monkeypatch):
+    """q5_K's x64y256 (three stages of whole super-blocks: 251904 bytes) cannot launch on an
+    H100 or H200; its two-stage form is built, fits, and is what q5_K's expert rule takes
+    from 64 tokens an expert (below that, its int8 tiles)."""
+    from moeforge.codegen.enumerate import SM90_SMEM_PER_BLOCK, mmf_specs
+    from moeforge.codegen.quant import quant_type
+    from moeforge.runtime import dispatch
+    built = mmf_specs(quant_type("q5_K"))
+    three = MmfSpec("q5_K", 64, 256, 8, 8, 3, ids=True)
+    two = MmfSpec("q5_K", 64, 256, 8, 8, 2, ids=True)
+    assert three in built and three.smem_bytes() > SM90_SMEM_PER_BLOCK
+    assert two in built and two.smem_bytes() <= SM90_SMEM_PER_BLOCK
+    assert all(s.smem_bytes() <= SM90_SMEM_PER_BLOCK for s in mmf_specs(quant_type("q4_K")) if s.stages == 2)
+    assert len(mmf_specs(quant_type("q4_K"))) == len(built) - 2      # every other format: nothing added
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    assert dispatch.mmf_choice("q5_K", 2048, 128.0).spec == two
+    assert dispatch.mmf_choice("q5_K", 1024, 64.0).spec == two
+    assert dispatch.mmf_choice("q5_K", 512, 32.0) is None
+
+
 def test_dense_split_counts():
     from moeforge.runtime.dispatch import mmf_dense_splits
     assert [mmf_dense_splits(n, 2048, 132) for n in (128, 256, 512, 1024, 2048, 4096)] == [4, 4, 4, 2, 1, 1]
