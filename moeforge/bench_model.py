@@ -82,6 +82,7 @@ def bench(model, tests, reps: int, seed: int = 0, depths=(0,)) -> list[dict]:
                 once()
             ts = np.array([n / once() for _ in range(reps)])
             rows.append({"test": f"{kind}{n}" + (f" @ d{depth}" if depth else ""), "n": n, "depth": depth,
+                         "n_ubatch": model.n_ubatch,
                          "t_s_mean": float(ts.mean()), "t_s_std": float(ts.std(ddof=1)) if reps > 1 else 0.0,
                          "samples": ts.tolist()})
     return rows
@@ -95,13 +96,14 @@ def format_llama_bench(model, rows, backend_label: str) -> str:
              backend_label, "99", r["test"], f"{r['t_s_mean']:.2f} ± {r['t_s_std']:.2f}"] for r in rows]
     # as llama-bench shows n_ubatch, type_k and type_v where they are not its defaults
     # (moeforge's ubatch is larger by default: runtime.backend.AUTO_UBATCHES)
-    extra = [(name, value) for name, value, default in (("n_ubatch", str(model.n_ubatch), "512"),
-                                                        ("type_kv", model.backend.cache_type, "f32"))
-             if value != default]
-    for i, (name, value) in enumerate(extra):
+    ubatches = [str(r.get("n_ubatch", model.n_ubatch)) for r in rows]
+    extra = [(name, values) for name, values, default in (("n_ubatch", ubatches, "512"),
+                                                          ("type_kv", [model.backend.cache_type] * len(rows), "f32"))
+             if any(v != default for v in values)]
+    for i, (name, values) in enumerate(extra):
         head.insert(5 + i, name)
-        for b in body:
-            b.insert(5 + i, value)
+        for b, v in zip(body, values):
+            b.insert(5 + i, v)
     right = {1, 2, 4, len(head) - 2, len(head) - 1} | ({5} if extra and extra[0][0] == "n_ubatch" else set())
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     widths[0], widths[-1] = max(widths[0], 30), max(widths[-1], 20)
@@ -178,11 +180,16 @@ def main(args) -> int:
         return 2
     from .runtime.backend import AUTO_UBATCHES
     from .runtime.model import load_model
+    ubatches = args.ubatch or [None]          # None: the model's own choice
+    if len(ubatches) > 1 and (args.sweep or args.profile):
+        print(f"moeforge bench: --{'sweep' if args.sweep else 'profile'} takes one ubatch, got {len(ubatches)}",
+              file=sys.stderr)
+        return 2
     n_ctx = args.ctx if args.sweep else max(args.d) + max([*args.p, *args.n, 1]) + 1
     if args.profile:
-        n_ctx = max(n_ctx, max(args.d) + PROFILE_PAST + (args.ubatch or AUTO_UBATCHES[0]) + 1)
+        n_ctx = max(n_ctx, max(args.d) + PROFILE_PAST + (ubatches[0] or AUTO_UBATCHES[0]) + 1)
     t0 = time.perf_counter()
-    model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=args.ubatch,
+    model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=ubatches[0],
                        attn_precision=getattr(args, "attn_precision", None),
                        cache_type=getattr(args, "cache_type", "f32"))
     load_s = time.perf_counter() - t0
@@ -195,11 +202,15 @@ def main(args) -> int:
         print(format_sweep(rows))
     else:
         tests = [("pp", p) for p in args.p if p > 0] + [("tg", n) for n in args.n if n > 0]
-        rows = bench(model, tests, args.repetitions, args.seed, args.d)
+        rows = []
+        for ub in ubatches:
+            if ub is not None:
+                model.n_ubatch, model.ubatch_auto = ub, False
+            rows += bench(model, tests, args.repetitions, args.seed, args.d)
         print(format_llama_bench(model, rows, label))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "label": model_label(model), "backend": label, "load_s": round(load_s, 2),
-                       "cache_type": model.backend.cache_type, "n_ubatch": model.n_ubatch,
+                       "cache_type": model.backend.cache_type,
                        "sweep" if args.sweep else "tests": rows}, fh, indent=1)
     return 0

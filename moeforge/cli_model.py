@@ -106,10 +106,19 @@ def _positive(text: str) -> int:
     return v
 
 
-def _model_options(parser) -> None:
-    """What every command that loads a model takes: the prompt's ubatch, attention, cache."""
-    parser.add_argument("-ub", "--ubatch", type=_positive, default=None,
-                        help="prompt tokens per forward pass (default: the largest of 4096, 2048, 1024 and 512 "
+def _positives(text: str) -> list[int]:
+    vs = [_positive(v) for v in text.split(",") if v.strip()]
+    if not vs:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated counts, got {text!r}")
+    return vs
+
+
+def _model_options(parser, bench: bool = False) -> None:
+    """What every command that loads a model takes: the prompt's ubatch, attention, cache
+    (bench: a list of ubatches, each a set of rows, as llama-bench's)."""
+    parser.add_argument("-ub", "--ubatch", type=_positives if bench else _positive, default=None,
+                        help=("a comma-separated list gives each its rows, as llama-bench's; " if bench else "") +
+                             "prompt tokens per forward pass (default: the largest of 4096, 2048, 1024 and 512 "
                              "the GPU's free memory allows, 512 where every position's logits are kept, as in "
                              "perplexity; llama.cpp's default is 512). Larger ubatches give a MoE model's experts "
                              "more tokens each: 4096 ran a 4096-token prompt of Qwen3-30B-A3B 30%% faster than "
@@ -180,7 +189,7 @@ def add_commands(sub) -> None:
                         "after the largest -d tokens when given")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
-    _model_options(b)
+    _model_options(b, bench=True)
     b.add_argument("--json", default=None, help="write the numbers to this file")
     b.set_defaults(func=_cmd_bench_model)
 

@@ -142,9 +142,29 @@ def test_bench_table_names_a_ubatch_other_than_llama_benchs(tiny, capsys, tmp_pa
     assert [c.strip() for c in table[0].split("|")[1:-1]][4:8] == ["ngl", "n_ubatch", "type_kv", "test"]
     assert [c.strip() for c in table[2].split("|")[1:-1]][5:7] == ["4", "f16"]
     assert table[1].split("|")[6].strip().endswith(":")   # right-aligned, as a number
-    assert json.loads(out.read_text())["n_ubatch"] == 4
+    assert [r["n_ubatch"] for r in json.loads(out.read_text())["tests"]] == [4]
     assert main(["bench", tiny, "--backend", "numpy", "-p", "8", "-n", "0", "-r", "1"]) == 0
     assert "n_ubatch" not in capsys.readouterr().out       # numpy's own ubatch is 512
+
+
+def test_bench_takes_a_list_of_ubatches(tiny, capsys, tmp_path, monkeypatch):
+    """-ub 4,512 as llama-bench's: the tests once for each, one load, each row labelled, each
+    prompt really passed in ubatches of its size."""
+    from moeforge.runtime import model as model_mod
+    passes, real = [], model_mod.Model._step
+    monkeypatch.setattr(model_mod.Model, "_step", lambda self, ids, last_only: passes.append(len(ids))
+                        or real(self, ids, last_only))
+    out = tmp_path / "l.json"
+    assert main(["bench", tiny, "--backend", "numpy", "-p", "10", "-n", "0", "-r", "1", "-ub", "4,512",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [[c.strip() for c in ln.split("|")[1:-1]][5:7] for ln in table[2:]] == [["4", "pp10"], ["512", "pp10"]]
+    assert [r["n_ubatch"] for r in json.loads(out.read_text())["tests"]] == [4, 512]
+    assert passes == [4, 4, 2] * 3 + [10] * 3           # two warm-ups and one repetition each
+    assert main(["bench", tiny, "--backend", "numpy", "--profile", "-ub", "4,8"]) == 2
+    assert "takes one ubatch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", tiny, "--backend", "numpy", "-ub", "4,0"])
 
 
 def test_bench_at_depth(tiny, capsys, tmp_path):
