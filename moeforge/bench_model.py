@@ -96,7 +96,7 @@ def format_llama_bench(model, rows, backend_label: str) -> str:
              backend_label, "99", r["test"], f"{r['t_s_mean']:.2f} ± {r['t_s_std']:.2f}"] for r in rows]
     # as llama-bench shows n_ubatch, type_k and type_v where they are not its defaults
     # (moeforge's ubatch is larger by default: runtime.backend.AUTO_UBATCHES)
-    ubatches = [str(r.get("n_ubatch", model.n_ubatch)) for r in rows]
+    ubatches = [str(r["n_ubatch"]) for r in rows]
     extra = [(name, values) for name, values, default in (("n_ubatch", ubatches, "512"),
                                                           ("type_kv", [model.backend.cache_type] * len(rows), "f32"))
              if any(v != default for v in values)]
@@ -104,7 +104,7 @@ def format_llama_bench(model, rows, backend_label: str) -> str:
         head.insert(5 + i, name)
         for b, v in zip(body, values):
             b.insert(5 + i, v)
-    right = {1, 2, 4, len(head) - 2, len(head) - 1} | ({5} if extra and extra[0][0] == "n_ubatch" else set())
+    right = {i for i, h in enumerate(head) if h in ("size", "params", "ngl", "n_ubatch", "test", "t/s")}
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     widths[0], widths[-1] = max(widths[0], 30), max(widths[-1], 20)
 

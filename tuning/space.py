@@ -26,7 +26,7 @@ F16_PATHS = ("mmf_id", "mmf")
 BUCKETS = tuple(2 ** i for i in range(13))
 ANCHOR_N = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # sm_90's opt-in limit per block, for planning on a machine without a GPU.
-DEFAULT_SMEM_LIMIT = 227 * 1024
+DEFAULT_SMEM_LIMIT = enum.SM90_SMEM_PER_BLOCK
 # A per-expert launch sequence costs E launches and one host synchronization; with fewer
 # tokens than this per expert on average it loses to one MMQ-ID launch on any GPU we know.
 PER_EXPERT_MIN_TOKENS = 8
