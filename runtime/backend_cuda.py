@@ -54,7 +54,7 @@ class CudaBackend(CudaMoeOps, Backend):
         self.graphs = PassGraphs(cp, self.stream)
         self._step_in = None
         self._counter = None
-        self._attn_counts = None     # decode attention's per-head counters (splits)
+        self._attn_counts = None     # decode attention's split counters
         self._decode_attn_splits = None
         self._decode_attn_grouped = None
         self._decode_attn_stages = None
@@ -372,12 +372,15 @@ class CudaBackend(CudaMoeOps, Backend):
                                                                    grouped, self.decode_attn_splits, self.cache_type,
                                                                    grouped and self._decode_tc())
             part = self.ws("attn_part", (hp.n_head * splits * (hp.head_dim + 2),))
-            if self._attn_counts is None or self._attn_counts.size < hp.n_head:
-                # zero once: the last block of each head resets its counter after use
-                self._attn_counts = self.cp.zeros(hp.n_head, dtype=self.cp.uint32)
+            if self._attn_counts is None or self._attn_counts.size < 4 * hp.n_head:
+                # zero once: the per-head kernel's counters (the first n_head) return to zero
+                # after each launch; the grouped kernels' (3 a block of heads, after them) are
+                # banked (attn_decode_gqa.cuh.j2)
+                self._attn_counts = self.cp.zeros(4 * hp.n_head, dtype=self.cp.uint32)
+            counts = self._attn_counts[hp.n_head:] if grouped else self._attn_counts
             args = (q, kc, vc, pos, out, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
                     _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused,
-                    part, self._attn_counts, _i32(splits))
+                    part, counts, _i32(splits))
             smem = 0
             if kernel.startswith("attn_decode_gqa_tc"):
                 smem = decode_attention.tc_smem(hp, self._device()["smem_per_block_optin"])

@@ -77,7 +77,9 @@ def tc_smem(hp, smem_limit: int | None = None) -> int:
     """attn_decode_gqa_tc's dynamic shared memory: at least its warps' O rows, [8][G][W + 2]
     floats; given a block's shared memory on the card, as much more as holds the records of
     a full wave of splits (G (head_dim + 2) floats each), less TC_STATIC for the kernel's
-    own arrays: the last block merges them in one batch (32 splits of 8 heads of 128: 133 KB)."""
+    own arrays: the merging block or blocks take theirs in one batch (one block merges
+    records of up to 32 KB, 16 splits of 8 heads of 64; a share of 32 splits of 8 heads of
+    128 is 18 KB)."""
     g = tc_group(hp)
     least = 4 * TC_WARPS * g * (_gqa_width(hp.head_dim) + TC_OS_PAD)
     if smem_limit is None:

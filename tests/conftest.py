@@ -186,6 +186,17 @@ def attention64(q, kc, vc, pos, hp, sinks=None, window=0):
     return out
 
 
+def split_counters_ready(B, hp) -> bool:
+    """Decode attention's split counters after a launch: the per-head kernel's (the first
+    n_head) all zero again; the grouped kernels' [bank, count 0, count 1] a block of heads
+    after them: the bank 0 or 1, and the count the next launch takes zero."""
+    c = B._attn_counts.get()
+    head, grouped = c[:hp.n_head], c[hp.n_head:].reshape(-1, 3)
+    bank = grouped[:, 0]
+    return bool((head == 0).all() and (bank <= 1).all()
+                and (grouped[np.arange(len(grouped)), 1 + np.minimum(bank, 1)] == 0).all())
+
+
 def decode_cache_rows(kc, vc, n_kv, window, cache):
     """A decode attention test's cache rows: NaN past the current position (never read);
     1e4 before a window (a chunk or tile partly before it is read and masked, so they must be
