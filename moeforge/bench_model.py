@@ -191,9 +191,9 @@ def main(args) -> int:
     t0 = time.perf_counter()
     model = load_model(args.model, backend=args.backend, n_ctx=n_ctx, n_ubatch=ubatches[0],
                        attn_precision=getattr(args, "attn_precision", None),
-                       cache_type=getattr(args, "cache_type", "f32"))
+                       cache_type=getattr(args, "cache_type", "f32"), swa_full=getattr(args, "swa_full", False))
     load_s = time.perf_counter() - t0
-    print(f"moeforge bench: {args.model} loaded in {load_s:.1f} s", file=sys.stderr)
+    print(f"moeforge bench: {args.model} loaded in {load_s:.1f} s\n{model.describe()}", file=sys.stderr)
     label = "moeforge CUDA" if args.backend == "cuda" else "moeforge numpy"
     if args.profile:
         return _profile(model, args)
@@ -211,6 +211,7 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "label": model_label(model), "backend": label, "load_s": round(load_s, 2),
-                       "cache_type": model.backend.cache_type,
+                       "cache_type": model.backend.cache_type, "kv_cache_bytes": model.cache.nbytes,
+                       "kv_ring_layers": model.cache.rings,
                        "sweep" if args.sweep else "tests": rows}, fh, indent=1)
     return 0

@@ -68,7 +68,8 @@ def _load(args):
             print(f"\rmoeforge: loading {os.path.basename(args.model)}, layer {i}/{n}", end="",
                   file=sys.stderr, flush=True)
     model = load_model(args.model, backend=args.backend, n_ctx=getattr(args, "ctx", None), n_ubatch=args.ubatch,
-                       attn_precision=args.attn_precision, cache_type=args.cache_type, progress=progress)
+                       attn_precision=args.attn_precision, cache_type=args.cache_type, swa_full=args.swa_full,
+                       progress=progress)
     print(f" ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     return model
 
@@ -130,6 +131,11 @@ def _model_options(parser, bench: bool = False) -> None:
     parser.add_argument("--cache-type", default="f32", choices=ModelSpec.CACHE_TYPES,
                         help="the KV cache's type (default f32; f16 halves its memory and what attention reads, "
                              "as llama.cpp's default cache)")
+    parser.add_argument("--swa-full", action="store_true",
+                        help="sliding-window layers (gpt-oss) keep every position in the KV cache too (default: a "
+                             "ring of the window and one ubatch, as llama.cpp's; a ring cannot return to a "
+                             "position more than an ubatch back, so a conversation whose turns rewrite older "
+                             "text is evaluated again from its start)")
 
 
 def add_commands(sub) -> None:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..codegen.spec import ModelSpec
 from . import prompt_attention
 from .arch import HParams, ModelRefs
+from .kv_cache import CACHE_TYPES, KVCache, check_cache_type  # noqa: F401 (CACHE_TYPES: others import it here)
 
 
 @dataclass
@@ -75,36 +75,11 @@ def choose_ubatch(free_bytes: int, per_token: int) -> int:
     return next((n for n in AUTO_UBATCHES if n * per_token <= free_bytes // 4), AUTO_UBATCHES[-1])
 
 
-# the element of each KV cache type the model kernels are built for (codegen.spec.ModelSpec.cache)
-CACHE_TYPES = {"f32": np.float32, "f16": np.float16}
-assert tuple(CACHE_TYPES) == ModelSpec.CACHE_TYPES
-
-
-def check_cache_type(cache_type: str) -> str:
-    if cache_type not in CACHE_TYPES:
-        raise ValueError(f"cache_type must be one of {tuple(CACHE_TYPES)}, got {cache_type!r}")
-    return cache_type
-
-
-class KVCache:
-    """Keys and values, (n_layer, n_ctx, kv_dim) each, float32 or f16 (cache_type), like
-    llama.cpp's cache of that type: f16 halves the memory and what attention reads, each
-    value rounded to nearest even once, when it is stored."""
-
-    def __init__(self, xp, hp: HParams, n_ctx: int, cache_type: str = "f32"):
-        self.n_ctx, self.type = n_ctx, check_cache_type(cache_type)
-        dtype = CACHE_TYPES[cache_type]
-        self.k = xp.zeros((hp.n_layer, n_ctx, hp.kv_dim), dtype=dtype)
-        self.v = xp.zeros((hp.n_layer, n_ctx, hp.kv_dim), dtype=dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
-
-
 class Backend:
     name = "?"
     xp = np
+    ring_unit = 1        # a sliding layer's ring: its size granularity in bytes, and
+    ring_layer = None    # (rows, n_ctx, kv_dim, dtype) -> the layer as this backend's ops read it
 
     def __init__(self, hp: HParams, attn_precision: str | None = None, cache_type: str = "f32"):
         self.hp = hp
@@ -120,6 +95,10 @@ class Backend:
     def auto_ubatch(self, n_ctx: int) -> int:
         """The prompt ubatch where the caller names none (AUTO_UBATCHES); numpy's is the
         smallest: the host gains nothing from more, and its memory is the CI machine's."""
+        return AUTO_UBATCHES[-1]
+
+    def auto_ubatch_limit(self) -> int:
+        """The largest ubatch auto_ubatch may choose (a ring must hold a pass of it)."""
         return AUTO_UBATCHES[-1]
 
     def decoding(self):
@@ -161,8 +140,10 @@ class Backend:
                 progress(i + 1, len(refs.layers))
         return Weights(tok, V(refs.output_norm), out, layers)
 
-    def new_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.xp, self.hp, n_ctx, self.cache_type)
+    def new_cache(self, n_ctx: int, max_pass: int | None = None) -> KVCache:
+        """max_pass: the most tokens a pass will store; with it, sliding-window layers keep
+        a ring (runtime.kv_cache) where the backend has a form for one (ring_layer)."""
+        return KVCache(self.xp, self.hp, n_ctx, self.cache_type, max_pass, self.ring_unit, self.ring_layer)
 
     def stacked_qkv(self, L):
         """q, k and v as one stacked matrix, or None to keep three (the default)."""

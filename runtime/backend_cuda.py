@@ -16,8 +16,8 @@ import math
 import numpy as np
 
 from ..codegen.spec import ModelSpec
-from . import decode_attention, dispatch, ops, prompt_attention
-from .backend import Backend, KVCache, choose_ubatch, prompt_bytes_per_token
+from . import decode_attention, dispatch, ops, prompt_attention, ring_memory
+from .backend import AUTO_UBATCHES, Backend, KVCache, choose_ubatch, prompt_bytes_per_token
 from .device import device_info, require_gpu
 from .graphs import PassGraphs
 from .kernels import grid_1d, load
@@ -195,9 +195,21 @@ class CudaBackend(CudaMoeOps, Backend):
                                              info["smem_per_block_optin"], self.cache_type) is None
         return choose_ubatch(free, prompt_bytes_per_token(self.hp, n_ctx if cublas else 0))
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def auto_ubatch_limit(self) -> int:
+        return AUTO_UBATCHES[0]
+
+    @property
+    def ring_unit(self) -> int:
+        return ring_memory.granularity(self.cp.cuda.Device().id)
+
+    def ring_layer(self, rows, n_ctx, kv_dim, dtype):
+        """n_ctx rows over `rows` rows of memory (runtime.ring_memory): the kernels address
+        a ring by position, as any layer."""
+        return ring_memory.ring_array(self.cp, rows, n_ctx, kv_dim, dtype)
+
+    def new_cache(self, n_ctx: int, max_pass: int | None = None) -> KVCache:
         with self.stream:
-            cache = KVCache(self.cp, self.hp, n_ctx, self.cache_type)
+            cache = KVCache(self.cp, self.hp, n_ctx, self.cache_type, max_pass, self.ring_unit, self.ring_layer)
         self.generation += 1
         return cache
 

@@ -22,6 +22,7 @@ from ..codegen.quant import QUANT_TYPES
 from .. import reference as ref
 from . import prompt_attention
 from .backend import Backend
+from .kv_cache import positions
 
 NUMERICS = ("float", "kernel")
 _F64 = np.float64
@@ -153,11 +154,15 @@ class NumpyBackend(Backend):
         out = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
         x[...] = out.reshape(x.shape).astype(np.float32)
 
+    def ring_layer(self, rows, n_ctx, kv_dim, dtype):
+        """A ring of `rows` positions: kv_store_ and attention take positions mod rows."""
+        return np.zeros((rows, kv_dim), dtype=dtype)
+
     def kv_store_(self, cache, il, k, v, pos, pos0):
         """(An f16 cache rounds to nearest even here, as cvt.rn.f16.f32 does on the GPU.)"""
         n = k.shape[0]
-        cache.k[il, pos0:pos0 + n] = k
-        cache.v[il, pos0:pos0 + n] = v
+        for layer, x in ((cache.k[il], k), (cache.v[il], v)):
+            layer[np.arange(pos0, pos0 + n) % layer.shape[0]] = x
 
     def upload(self, refs, progress=None):
         weights = super().upload(refs, progress)
@@ -173,12 +178,14 @@ class NumpyBackend(Backend):
         each softmax's denominator with no value (gpt-oss); window > 0: a query at p sees
         only keys j with p - j < window."""
         hp = self.hp
-        if n > 1 and self.attn_tc:
-            return prompt_attention.attention_tc(q, cache.k[il], cache.v[il], hp, pos0, self.attn_tc,
-                                                 sinks=sinks, window=window).astype(np.float32)
         L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
-        K = cache.k[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
-        V = cache.v[il, :L].reshape(L, hp.n_head_kv, hd).astype(_F64)
+        # a ring's rows of positions before the window hold later ones: masked like any key
+        kc, vc = positions(cache.k[il], 0, L), positions(cache.v[il], 0, L)
+        if n > 1 and self.attn_tc:
+            return prompt_attention.attention_tc(q, kc, vc, hp, pos0, self.attn_tc,
+                                                 sinks=sinks, window=window).astype(np.float32)
+        K = kc.reshape(L, hp.n_head_kv, hd).astype(_F64)
+        V = vc.reshape(L, hp.n_head_kv, hd).astype(_F64)
         qh = q.reshape(n, hp.n_head_kv, g, hd).astype(_F64)
         s = np.einsum("nhgd,lhd->hgnl", qh, K) / np.sqrt(hd)
         gap = (pos0 + np.arange(n))[:, None] - np.arange(L)[None, :]

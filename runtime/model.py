@@ -27,7 +27,7 @@ ALL_LOGITS_UBATCH = 512
 class Model:
     def __init__(self, f: GGUFFile, backend: str = "cuda", *, n_ctx: int | None = None, n_ubatch: int | None = None,
                  numerics: str = "float", merge_gate_up: bool = True, attn_precision: str | None = None,
-                 cache_type: str = "f32", progress=None):
+                 cache_type: str = "f32", swa_full: bool = False, progress=None):
         if n_ubatch is not None and (isinstance(n_ubatch, bool) or not isinstance(n_ubatch, (int, np.integer))
                                      or n_ubatch < 1):
             raise ValueError(f"n_ubatch (prompt tokens per forward pass) must be a positive integer, got {n_ubatch!r}")
@@ -54,20 +54,34 @@ class Model:
         self.n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
         self.n_bytes = sum(t.nbytes for t in f.tensors.values())
         self.n_ctx = n_ctx or min(self.hp.n_ctx_train, 4096)
-        self.cache = self.backend.new_cache(self.n_ctx)
+        # sliding-window layers keep a ring of positions (runtime.kv_cache) that holds a pass
+        # of up to n_ubatch tokens, or of as many as the backend's choice may take
+        self.swa_full, self.ubatch_auto = bool(swa_full), n_ubatch is None
+        self.n_ubatch = None if n_ubatch is None else int(n_ubatch)
+        self.cache = self.backend.new_cache(self.n_ctx, self._max_pass())
         # None: the backend's choice (runtime.backend.AUTO_UBATCHES), after the weights and
         # the cache took their memory; ALL_LOGITS_UBATCH where every row's logits come back
-        self.ubatch_auto = n_ubatch is None
-        self.n_ubatch = int(n_ubatch) if n_ubatch is not None else self.backend.auto_ubatch(self.n_ctx)
+        if self.ubatch_auto:
+            self.n_ubatch = self.backend.auto_ubatch(self.n_ctx)
         self.reset()
         self._tokenizer = None
 
     # -- contexts -----------------------------------------------------------------------------
+    def _max_pass(self) -> int | None:
+        if self.swa_full:
+            return None
+        return self.backend.auto_ubatch_limit() if self.ubatch_auto else self.n_ubatch
+
+    def _ring_too_short(self) -> bool:
+        return self.cache.max_pass is not None and self.n_ubatch > self.cache.max_pass
+
     def reset(self, n_ctx: int | None = None) -> None:
-        """Empty the context; a larger n_ctx reallocates the cache."""
-        if n_ctx is not None and n_ctx > self.cache.n_ctx:
+        """Empty the context; a larger n_ctx, or an n_ubatch larger than the sliding
+        layers' rings hold a pass of, reallocates the cache."""
+        if (n_ctx is not None and n_ctx > self.cache.n_ctx) or self._ring_too_short():
+            n_ctx = max(n_ctx or 0, self.cache.n_ctx)
             self.cache = None
-            self.cache = self.backend.new_cache(n_ctx)
+            self.cache = self.backend.new_cache(n_ctx, self._max_pass())
             self.n_ctx = n_ctx
         self.n_past = 0
         self._held: list[int] = []     # the tokens whose keys and values the cache holds, in order
@@ -82,6 +96,8 @@ class Model:
             lim = min(len(self._held), self.n_past, ids.size - 1)
             differ = np.nonzero(np.asarray(self._held[:lim], dtype=np.int64) != ids[:lim])[0]
             keep = int(differ[0]) if differ.size else lim
+        if keep and not self.cache.holds(keep, self.n_past):
+            keep = 0                  # a ring has dropped part of the window before keep
         if keep:
             self.n_past = keep
             del self._held[keep:]
@@ -106,6 +122,9 @@ class Model:
         ids = self._check_tokens(token_ids)
         if self.n_past + ids.size > self.cache.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {ids.size} tokens > n_ctx {self.cache.n_ctx}")
+        if self._ring_too_short():
+            raise ValueError(f"n_ubatch {self.n_ubatch} is more than the sliding-window layers' KV rings hold a "
+                             f"pass of ({self.cache.max_pass}): reset() the context first")
         outs = []
         ub = self.n_ubatch
         if self.ubatch_auto and want_logits and not last_only:
@@ -266,7 +285,9 @@ class Model:
         return (f"{self.arch} {os.path.basename(self.path)}: {self.hp.n_layer} layers, d={self.hp.n_embd}, "
                 f"{self.hp.n_expert} experts (top {self.hp.n_expert_used}), vocab {self.hp.n_vocab}, "
                 f"{self.n_params / 1e9:.2f} B params, {self.n_bytes / 2**30:.2f} GiB, backend {self.backend.name}, "
-                f"{self.backend.cache_type} KV cache")
+                f"{self.backend.cache_type} KV cache of {self.cache.n_ctx} positions, "
+                f"{self.cache.nbytes / 2**20:.1f} MiB" + (f" ({self.cache.rings} sliding layers in rings of "
+                f"{min(self.cache.rows)})" if self.cache.rings else ""))
 
 
 def load_model(path, backend: str = "cuda", **kwargs) -> Model:
@@ -277,8 +298,9 @@ def load_model(path, backend: str = "cuda", **kwargs) -> Model:
     or "f16" (half the memory and of what attention reads; llama.cpp's default, with its
     range: values past 65504 become inf). n_ubatch: prompt tokens a forward pass (default:
     the largest of 4096/2048/1024/512 the free memory allows on a GPU, 512 where every row's
-    logits come back and on numpy; 512 is llama.cpp's default). Validation errors are
-    GGUFError (a ValueError)."""
+    logits come back and on numpy; 512 is llama.cpp's default). swa_full: sliding-window
+    layers keep every position too (default: a ring of the window and a pass, once that is
+    less than n_ctx; llama.cpp's --swa-full). Validation errors are GGUFError (a ValueError)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cuda":

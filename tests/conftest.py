@@ -207,7 +207,7 @@ def decode_cache_rows(kc, vc, n_kv, window, cache):
     if window:
         kc[:max(0, n_kv - window)] = 1e4
         vc[:max(0, n_kv - window)] = 1e4
-    return kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)
+    return kc.astype(cache.dtype), vc.astype(cache.dtype)
 
 
 def decode_fused_is_separate(B, cache, il, kc, vc, q, pos, n_kv, rng):
@@ -226,7 +226,7 @@ def decode_fused_is_separate(B, cache, il, kc, vc, q, pos, n_kv, rng):
                         k_norm=cp.asarray(rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32)))
     kc[n_kv - 1:] = np.nan
     vc[n_kv - 1:] = np.nan
-    kc, vc = kc.astype(cache.k.dtype), vc.astype(cache.v.dtype)
+    kc, vc = kc.astype(cache.dtype), vc.astype(cache.dtype)
     results = []
     with B.context():
         for fused in (False, True):

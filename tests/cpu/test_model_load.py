@@ -220,11 +220,11 @@ def test_f16_cache_on_the_numpy_backend(tiny):
         runs[cache_type] = (m.logits(toks), m.cache)
         assert m.backend.attn_precision == "f16" and f"{cache_type} KV cache" in m.describe()
     (l32, c32), (l16, c16) = runs["f32"], runs["f16"]
-    assert c16.k.dtype == np.float16 and c16.nbytes * 2 == c32.nbytes
+    assert c16.dtype == np.float16 and c16.nbytes * 2 == c32.nbytes
     n = len(toks)
     # the first layer's rows (later layers' inputs already differ by the rounding)
-    np.testing.assert_array_equal(c16.k[0, :n], c32.k[0, :n].astype(np.float16))
-    np.testing.assert_array_equal(c16.v[0, :n], c32.v[0, :n].astype(np.float16))
+    np.testing.assert_array_equal(c16.k[0][:n], c32.k[0][:n].astype(np.float16))
+    np.testing.assert_array_equal(c16.v[0][:n], c32.v[0][:n].astype(np.float16))
     assert not np.array_equal(l16, l32)
     assert (l16.argmax(-1) == l32.argmax(-1)).all()
     rel = np.abs(l16 - l32).max() / np.abs(l32).max()

@@ -40,7 +40,7 @@ def test_f16_cache_close_to_llama_cpp(parity_models, name):
     fx = parity_models[name]
     m = load_model(fx["path"], backend="numpy", cache_type="f16")
     got = m.logits(fx["tokens"])
-    assert m.cache.k.dtype == np.float16
+    assert m.cache.dtype == np.float16
     assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
     kl = kl_per_token(fx["logits"], got).mean()
     assert kl < 1e-3, f"mean KL {kl:.2e}"

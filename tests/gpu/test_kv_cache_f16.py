@@ -44,11 +44,11 @@ def test_stores_round_to_nearest_even(heads, n, rng):
         L = SimpleNamespace(q_norm=cp.asarray(norms[0]), k_norm=cp.asarray(norms[1]))
         pos = cp.asarray(np.arange(pos0, pos0 + n, dtype=np.int32))
         with B.context():
-            cache.k.fill(cp.nan)
-            cache.v.fill(cp.nan)
+            for layer in (*cache.k, *cache.v):
+                layer.fill(cp.nan)
             qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
             B.qk_norm_rope_store_(cache, il, qd, kd, vd, L, pos, pos0)
-            stored = (cache.k.get(), cache.v.get())
+            stored = (np.stack([a.get() for a in cache.k]), np.stack([a.get() for a in cache.v]))
             B.kv_store_(cache, 0, kd, vd, pos, pos0)          # the plain store, into another layer
             got[cache_type] = (qd.get(), *stored, cache.k[0].get(), cache.v[0].get())
     q32, k32, v32, pk32, pv32 = got["f32"]
@@ -92,8 +92,8 @@ def test_f16_cache_prompt_attention_is_the_float32_cache_kernel(heads, pos0, n, 
             pytest.skip("attn_prefill_fa does not run here (tensor cores need sm_80)")
         cache = B.new_cache(ctx)
         with B.context():
-            cache.k[il].set(kc.astype(cache.k.dtype))
-            cache.v[il].set(vc.astype(cache.v.dtype))
+            cache.k[il].set(kc.astype(cache.dtype))
+            cache.v[il].set(vc.astype(cache.dtype))
             B.ws("attn", (n, hp.q_dim)).fill(cp.nan)
             got = B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn").get()
             again = B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn").get()
@@ -120,7 +120,7 @@ def test_f16_cache_matches_llama_cpp(parity_models, name):
     fx = parity_models[name]
     m = load_model(fx["path"], backend="cuda", cache_type="f16")
     got = m.logits(fx["tokens"])
-    assert m.cache.k.dtype == np.float16
+    assert m.cache.dtype == np.float16
     assert np.isfinite(got).all()
     top = got.argmax(-1) == fx["logits"].argmax(-1)
     assert top.all(), f"top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
