@@ -6,7 +6,8 @@ Every op writes into a named, grow-only device buffer, and everything runs on on
 A forward pass therefore allocates nothing and never waits for the host: the decode step
 and each prompt ubatch size are captured as CUDA graphs and replayed at every position
 (token ids and positions live in device memory; runtime.graphs). The MoE ops (routing,
-the expert products and their fusions) are in runtime.moe_cuda.
+the expert products and their fusions) are in runtime.moe_cuda, the KV cache's stores and
+attention in runtime.attention_cuda.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import math
 import numpy as np
 
 from ..codegen.spec import ModelSpec
-from . import decode_attention, dispatch, ops, prompt_attention, ring_memory
+from . import dispatch, ops, prompt_attention, ring_memory
+from .attention_cuda import CudaAttentionOps
 from .backend import AUTO_UBATCHES, Backend, KVCache, choose_ubatch, prompt_bytes_per_token
 from .device import device_info, require_gpu
 from .graphs import PassGraphs
@@ -27,7 +29,6 @@ from .tensor import QuantTensor
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 SMALL_N = 16    # float products up to this many tokens use dense_f32 (a warp per output), past it tiles
-QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model_tokens.cuh.j2)
 
 
 class GpuWeight:
@@ -35,7 +36,7 @@ class GpuWeight:
         self.qtype, self.shape, self.q, self.f = qtype, tuple(shape), q, f
 
 
-class CudaBackend(CudaMoeOps, Backend):
+class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
     name = "cuda"
 
     def __init__(self, hp, attn_precision: str | None = None, cache_type: str = "f32"):
@@ -74,72 +75,6 @@ class CudaBackend(CudaMoeOps, Backend):
 
     def context(self):
         return self.stream
-
-    def _decode_grouped(self, pos0: int) -> bool:
-        """The decode step at position pos0 (known on the host: the step's graph is captured
-        per choice) takes the grouped attention."""
-        if self.decode_attn_grouped is not None:
-            return self.decode_attn_grouped
-        dev = self._device()
-        return decode_attention.grouped_at(self.hp, pos0, dev["sm_count"], dev["smem_per_block_optin"], self.cache_type,
-                                           self._decode_tc())
-
-    def _decode_tc(self) -> bool:
-        """Grouped decode attention on tensor cores: at f16 precision on sm_80+, where the
-        kernel takes the heads (decode_attn_tc forces it either way)."""
-        if self.decode_attn_tc is not None:
-            return self.decode_attn_tc
-        return (self.attn_precision == "f16" and int(self._device()["cc"].split(".")[0]) >= 8
-                and decode_attention.can_tc(self.hp))
-
-    @property
-    def decode_attn_tc(self) -> bool | None:
-        """The grouped decode attention on tensor cores (True), in float32 FMA (False) or None
-        (tensor cores at f16 precision: _decode_tc). Setting it drops captured graphs."""
-        return self._decode_attn_tc
-
-    @decode_attn_tc.setter
-    def decode_attn_tc(self, tc: bool | None) -> None:
-        self._decode_attn_tc = tc
-        self.generation += 1
-
-    @property
-    def decode_attn_grouped(self) -> bool | None:
-        """Decode attention a block per key head (True), per query head (False) or None (by
-        the step's context: decode_attention.grouped_min_kv). Setting it drops captured graphs."""
-        return self._decode_attn_grouped
-
-    @decode_attn_grouped.setter
-    def decode_attn_grouped(self, grouped: bool | None) -> None:
-        self._decode_attn_grouped = grouped
-        self.generation += 1
-
-    @property
-    def decode_attn_splits(self) -> int | None:
-        """Decode attention's blocks per head: None for decode_attention.plan's, a number forces
-        it (A/B runs, tests). Setting it drops captured graphs (their launches hold the old)."""
-        return self._decode_attn_splits
-
-    @decode_attn_splits.setter
-    def decode_attn_splits(self, splits: int | None) -> None:
-        if splits is not None and splits < 1:
-            raise ValueError(f"decode_attn_splits must be at least 1, not {splits}")
-        self._decode_attn_splits = splits
-        self.generation += 1
-
-    @property
-    def decode_attn_stages(self) -> int | None:
-        """The grouped decode attention's ring buffers: None for as many as a block's shared
-        memory holds (decode_attention.ring), a number forces fewer (tests: the ring's
-        wrap-around, the merge in batches). Setting it drops captured graphs."""
-        return self._decode_attn_stages
-
-    @decode_attn_stages.setter
-    def decode_attn_stages(self, stages: int | None) -> None:
-        if stages is not None and not 2 <= stages <= decode_attention.GQA_MAX_STAGES:
-            raise ValueError(f"decode_attn_stages must be 2 to {decode_attention.GQA_MAX_STAGES}, not {stages}")
-        self._decode_attn_stages = stages
-        self.generation += 1
 
     # -- plumbing -----------------------------------------------------------------------------
     def kernel(self, name: str):
@@ -305,24 +240,6 @@ class CudaBackend(CudaMoeOps, Backend):
         self.kernel("rope_neox")(grid_1d(total), (256,), (x, pos, _i32(n), _i32(n_heads), _i32(hd),
                                                         _f32(math.log2(base))))
 
-    def kv_store_(self, cache, il, k, v, pos, pos0):
-        n = k.shape[0]
-        self.kernel("kv_store")(grid_1d(n * self.hp.kv_dim), (256,), (k, v, cache.k[il], cache.v[il], pos, _i32(n),
-                                                                    _i32(self.hp.kv_dim)))
-
-    def rope_store_(self, cache, il, q, k, v, pos, pos0, L=None):
-        """L's q, k, v biases, RoPE (YaRN where hp.yarn says) of q and k and the KV store, in one launch."""
-        hp, n = self.hp, q.shape[0]
-        self._pending_qk = None
-        y = hp.yarn
-        lo, hi = y.corr_dims(hp.head_dim, hp.rope_base) if y is not None else (0.0, 0.0)
-        total = n * (hp.n_head + hp.n_head_kv) * (hp.head_dim // 2)
-        self.kernel("rope_yarn_store")(grid_1d(total), (256,), (
-            q, k, v, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
-            _f32(math.log2(hp.rope_base)), _f32(y.freq_scale if y else 1.0), _f32(y.ext_factor if y else 0.0),
-            _f32(lo), _f32(hi), _f32(y.mscale() if y else 1.0), _i32(n),
-            *((L.bq, L.bk, L.bv) if L is not None and L.bq is not None else (_NULL, _NULL, _NULL))))
-
     def add_bias_(self, y, b):
         self._add_bias(y, b)
 
@@ -344,97 +261,11 @@ class CudaBackend(CudaMoeOps, Backend):
             _NULL if up_b is None else up_b, ids, out, np.int64(slots), _i32(ff)))
         return out
 
-    def qk_norm_rope_store_(self, cache, il, q, k, v, L, pos, pos0):
-        hp = self.hp
-        n = q.shape[0]
-        if n == 1 and self._decoding and self.fuse_qk_rope and hp.head_dim <= self.spec.max_head_dim:
-            # the decode attention right after does it (attn_decode.cuh.j2): one launch less
-            self._pending_qk = (q.data.ptr, k, v, L.q_norm, L.k_norm)
-            return
-        self._pending_qk = None
-        if hp.head_dim > QK_HEAD_DIM_MAX:
-            raise ValueError(f"head_dim {hp.head_dim}: qk_norm_rope_store takes at most {QK_HEAD_DIM_MAX}")
-        # a warp per (head, token), 8 a block
-        self.kernel("qk_norm_rope_store")((-(-(hp.n_head + hp.n_head_kv) * n // 8),), (256,), (
-            q, k, v, L.q_norm, L.k_norm, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv),
-            _i32(hp.head_dim), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)), _i32(n)))
-
     def add_rms_norm_(self, x, y, w, eps, name, bias=None):
         out = self.ws(name, x.shape)
         d = x.shape[-1]
         self.kernel("add_rms_norm")((x.size // d,), (1024,), (x, y, w, out, _i32(d), _f32(eps), *self._norm_q8(out),
                                                               _NULL if bias is None else bias))
-        return out
-
-    def attention(self, cache, il, q, pos, pos0, n, name, sinks=None, window: int = 0):
-        hp, cp = self.hp, self.cp
-        kc, vc = cache.k[il], cache.v[il]
-        scale = 1.0 / math.sqrt(hp.head_dim)
-        extra = (_NULL if sinks is None else sinks, _i32(window))
-        if n == 1:   # the decode step: the number of cached positions is read on the device
-            out = self.ws(name, (1, hp.q_dim))
-            pend, self._pending_qk = self._pending_qk, None
-            if pend is not None and pend[0] == q.data.ptr:
-                fused = (*pend[1:], _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)))
-            else:
-                fused = (_NULL, _NULL, _NULL, _NULL, _f32(0.0), _f32(0.0))
-            # a sliding window's layers attend to at most `window` positions
-            grouped = self._decode_grouped(min(pos0, window - 1) if window else pos0)
-            kernel, heads, threads, splits = decode_attention.plan(hp, cache.n_ctx, self._device()["sm_count"],
-                                                                   grouped, self.decode_attn_splits, self.cache_type,
-                                                                   grouped and self._decode_tc())
-            part = self.ws("attn_part", (hp.n_head * splits * (hp.head_dim + 2),))
-            if self._attn_counts is None or self._attn_counts.size < 4 * hp.n_head:
-                # zero once: the per-head kernel's counters (the first n_head) return to zero
-                # after each launch; the grouped kernels' (3 a block of heads, after them) are
-                # banked (attn_decode_gqa.cuh.j2)
-                self._attn_counts = self.cp.zeros(4 * hp.n_head, dtype=self.cp.uint32)
-            counts = self._attn_counts[hp.n_head:] if grouped else self._attn_counts
-            args = (q, kc, vc, pos, out, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
-                    _f32(scale * math.log2(math.e)), *self._norm_q8(out, "attn", ok=hp.head_dim % 32 == 0), *fused,
-                    part, counts, _i32(splits))
-            smem = 0
-            if kernel.startswith("attn_decode_gqa_tc"):
-                smem = decode_attention.tc_smem(hp, self._device()["smem_per_block_optin"])
-                args += (_i32(0),)                    # stages: the tensor-core kernel has no ring
-            elif kernel.startswith("attn_decode_gqa"):
-                stages, smem = decode_attention.ring(hp, self._device()["smem_per_block_optin"],
-                                                     self.decode_attn_stages, self.cache_type)
-                args += (_i32(stages),)
-            args += extra
-            self.kernel(kernel)((heads, splits), (threads,), args, smem=smem)
-            return out
-        info = self._device()
-        kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"],
-                                             self.cache_type)
-        if kernel is not None:
-            return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"], extra)
-        L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
-        g = hp.n_head // hkv
-        # other head shapes: cuBLAS on views (CuPy temporaries: such a pass is not captured;
-        # an f16 cache's rows as float32 copies)
-        K = kc[:L].astype(np.float32, copy=False).reshape(L, hkv, hd).transpose(1, 2, 0)
-        V = vc[:L].astype(np.float32, copy=False).reshape(L, hkv, hd).transpose(1, 0, 2)
-        qh = q.reshape(n, hkv, g, hd).transpose(1, 2, 0, 3).reshape(hkv, g * n, hd)
-        p = cp.ascontiguousarray(cp.matmul(qh, K))                  # (hkv, g * n, L) scores
-        self.kernel("softmax_causal")((p.size // L,), (256,), (p, _i32(L), _i32(n), _i32(pos0), _f32(scale), *extra))
-        o = cp.matmul(p, V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
-        return cp.ascontiguousarray(o.reshape(n, hp.q_dim))
-
-    def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name, smem_limit: int, extra):
-        hp = self.hp
-        out = self.ws(name, (n, hp.q_dim))
-        args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
-                _f32(scale * math.log2(math.e)))
-        smem = prompt_attention.smem_bytes(hp, kernel)
-        if kernel != "attn_prefill":
-            bufs = self.attn_tile_buffers or prompt_attention.tile_buffers(hp, smem_limit, kernel, self.cache_type)
-            args += (_i32(bufs),)
-            smem = prompt_attention.smem_bytes(hp, kernel, bufs, self.cache_type)
-        args += extra
-        self.kernel(kernel)((hp.n_head_kv * prompt_attention.blocks_per_kv_head(hp, kernel),
-                             -(-n // prompt_attention.rows(hp, kernel))),
-                            (prompt_attention.threads(hp, kernel),), args, smem=smem)
         return out
 
     def matmul(self, w: GpuWeight, x, name, bias=None):
