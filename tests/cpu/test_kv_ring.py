@@ -110,3 +110,21 @@ def test_a_pass_larger_than_the_ring_is_refused_until_reset(tiny_oss, rng):
     assert m.cache.max_pass == 32 and m.cache.rows[0] == 39
     full = load_model(tiny_oss, backend="numpy", n_ctx=120, n_ubatch=32, swa_full=True)
     np.testing.assert_array_equal(m.eval(toks), full.eval(toks))
+
+
+def test_bench_keeps_rings_unless_swa_full(tiny_oss, tmp_path, capsys):
+    """moeforge bench (and every command that loads a model) takes --swa-full; the JSON
+    says what the cache took."""
+    import json
+
+    from moeforge.cli import main
+    got = {}
+    for flag in ([], ["--swa-full"]):
+        out = tmp_path / f"b{len(flag)}.json"
+        assert main(["bench", tiny_oss, "--backend", "numpy", "-p", "8", "-n", "2", "-r", "1", "-d", "40",
+                     "-ub", "16", "--json", str(out), *flag]) == 0
+        err = capsys.readouterr().err
+        got[bool(flag)] = json.loads(out.read_text())
+        assert ("2 sliding layers in rings of 23)" in err) == (not flag)
+    assert got[False]["kv_ring_layers"] == 2 and got[True]["kv_ring_layers"] == 0
+    assert got[False]["kv_cache_bytes"] < got[True]["kv_cache_bytes"]
