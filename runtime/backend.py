@@ -14,7 +14,7 @@ import numpy as np
 
 from . import prompt_attention
 from .arch import HParams, ModelRefs
-from .kv_cache import CACHE_TYPES, KVCache, check_cache_type  # noqa: F401 (CACHE_TYPES: others import it here)
+from .kv_cache import KVCache, check_cache_type
 
 
 @dataclass

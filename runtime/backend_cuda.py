@@ -19,7 +19,8 @@ import numpy as np
 from ..codegen.spec import ModelSpec
 from . import dispatch, ops, prompt_attention, ring_memory
 from .attention_cuda import CudaAttentionOps
-from .backend import AUTO_UBATCHES, Backend, KVCache, choose_ubatch, prompt_bytes_per_token
+from .backend import AUTO_UBATCHES, Backend, choose_ubatch, prompt_bytes_per_token
+from .kv_cache import KVCache
 from .device import device_info, require_gpu
 from .graphs import PassGraphs
 from .kernels import grid_1d, load
@@ -144,7 +145,7 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
 
     def new_cache(self, n_ctx: int, max_pass: int | None = None) -> KVCache:
         with self.stream:
-            cache = KVCache(self.cp, self.hp, n_ctx, self.cache_type, max_pass, self.ring_unit, self.ring_layer)
+            cache = super().new_cache(n_ctx, max_pass)
         self.generation += 1
         return cache
 

@@ -22,7 +22,7 @@ from ..codegen.quant import QUANT_TYPES
 from .. import reference as ref
 from . import prompt_attention
 from .backend import Backend
-from .kv_cache import positions
+from .kv_cache import rows_of
 
 NUMERICS = ("float", "kernel")
 _F64 = np.float64
@@ -162,7 +162,7 @@ class NumpyBackend(Backend):
         """(An f16 cache rounds to nearest even here, as cvt.rn.f16.f32 does on the GPU.)"""
         n = k.shape[0]
         for layer, x in ((cache.k[il], k), (cache.v[il], v)):
-            layer[np.arange(pos0, pos0 + n) % layer.shape[0]] = x
+            layer[rows_of(layer, pos0, pos0 + n)] = x
 
     def upload(self, refs, progress=None):
         weights = super().upload(refs, progress)
@@ -180,7 +180,7 @@ class NumpyBackend(Backend):
         hp = self.hp
         L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
         # a ring's rows of positions before the window hold later ones: masked like any key
-        kc, vc = positions(cache.k[il], 0, L), positions(cache.v[il], 0, L)
+        kc, vc = cache.k[il][rows_of(cache.k[il], 0, L)], cache.v[il][rows_of(cache.v[il], 0, L)]
         if n > 1 and self.attn_tc:
             return prompt_attention.attention_tc(q, kc, vc, hp, pos0, self.attn_tc,
                                                  sinks=sinks, window=window).astype(np.float32)

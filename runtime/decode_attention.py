@@ -11,7 +11,7 @@ import numpy as np
 
 from ..codegen.spec import ModelSpec
 from . import prompt_attention
-from .backend import CACHE_TYPES
+from .kv_cache import CACHE_TYPES
 
 ATTN_DECODE_THREADS = 512   # attn_decode.cuh.j2's ATTN_THREADS
 ATTN_DECODE_CHUNK = 128     # positions a block takes at a time (U * warps for heads up to 128)

@@ -84,9 +84,9 @@ class KVCache:
         return all(not w or max(0, keep - w + 1) >= n_past - r for w, r in zip(self.windows, self.rows))
 
 
-def positions(layer, start: int, stop: int):
-    """Rows of positions start .. stop-1 of a layer as the numpy backend holds it (a ring
-    where it has fewer rows than positions)."""
+def rows_of(layer, start: int, stop: int):
+    """Where positions start .. stop-1 lie in a layer as the numpy backend holds it: a
+    slice, or rows mod its length where it is a ring that wraps there."""
     if stop <= layer.shape[0]:
-        return layer[start:stop]
-    return layer[np.arange(start, stop) % layer.shape[0]]
+        return slice(start, stop)
+    return np.arange(start, stop) % layer.shape[0]

@@ -14,6 +14,8 @@ import ctypes
 import functools
 import weakref
 
+import numpy as np
+
 _PINNED, _DEVICE, _READWRITE, _GRANULARITY_MINIMUM = 1, 1, 3, 0
 
 
@@ -114,7 +116,6 @@ class RingMemory:
 def ring_array(cp, rows: int, n_ctx: int, kv_dim: int, dtype):
     """A (n_ctx, kv_dim) array whose row p is row p mod rows (rows * kv_dim * itemsize a
     whole number of granularity())."""
-    import numpy as np
     row_bytes = kv_dim * np.dtype(dtype).itemsize
     mem = RingMemory(cp, rows * row_bytes, n_ctx * row_bytes)
     ptr = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(mem.ptr, mem.size, mem, cp.cuda.Device().id), 0)
