@@ -128,7 +128,7 @@ class ModelSpec(KernelSpec):
         "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128", "attn_decode_h256", *(f"attn_decode_gqa_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         *(f"attn_decode_gqa_tc_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route", "router_route_cluster",
-        "route_topk", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
+        "route_topk", "router_route_keyed", "router_route_cluster_keyed", "route_topk_keyed", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
         "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa",
         "rope_yarn_store", "add_bias", "glu_oai_id",
     )

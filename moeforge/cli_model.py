@@ -9,10 +9,11 @@ import time
 
 # synth.TYPES and synth.ARCHS, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
 SYNTH_TYPES = ("q4_0", "q8_0", "q2_K", "q2_K_mix", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe", "f16", "f32")
-SYNTH_ARCHS = ("qwen3moe", "gpt-oss")
+SYNTH_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
 # without --preset: each architecture's real model; without --type: the type it ships in
 # (gpt-oss: llama.cpp's MXFP4_MOE, mxfp4 experts as OpenAI released them, q8_0 elsewhere)
-SYNTH_DEFAULTS = {"qwen3moe": ("qwen3-30b-a3b", "q4_0"), "gpt-oss": ("gpt-oss-20b", "mxfp4_moe")}
+SYNTH_DEFAULTS = {"qwen3moe": ("qwen3-30b-a3b", "q4_0"), "gpt-oss": ("gpt-oss-20b", "mxfp4_moe"),
+                  "glm4moe": ("glm-4.5-air", "q4_0")}
 
 
 def _ints(text: str) -> list[int]:

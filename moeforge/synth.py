@@ -1,4 +1,4 @@
-"""Synthetic qwen3moe and gpt-oss GGUF files: real shapes, random weights, a loadable tokenizer.
+"""Synthetic qwen3moe, gpt-oss and glm4moe GGUF files: real shapes, random weights, a loadable tokenizer.
 
 Two sources of weights:
   "blocks"  (moeforge synth) valid random GGUF blocks copied from a pool of random blocks
@@ -7,7 +7,7 @@ Two sources of weights:
   "float"   (the parity fixtures) seeded float weights, quantized with gguf's reference
             quantizer, so the F32/F16/Q8_0/Q4_0 files are versions of one model.
 
-Metadata keys and tensor names are those of llama.cpp's converters for the two.
+Metadata keys and tensor names are those of llama.cpp's converters for them.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .codegen.quant import QUANT_TYPES
 from .runtime.convert import block_size, row_bytes
 from .synth_vocab import add_tokenizer
 
-ARCHS = ("qwen3moe", "gpt-oss")
+ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
 # q3_K_M, q4_K_M, q5_K_M: llama.cpp's mixes of those names (q3_K, q4_K or q5_K, with more
 # bits in places: see mix_types); q2_K_mix: llama.cpp's Q2_K mix (plain "q2_K" is q2_K for
 # every matrix, as the other type names are); q6_K also for every matrix, or as --output-type/--embd-type
@@ -61,6 +61,15 @@ class SynthSpec:
     n_swa: int = 0          # gpt-oss: the sliding window, YaRN's factor and original context
     yarn_factor: float = 0.0
     yarn_orig_ctx: int = 0
+    # glm4moe: RoPE on the first n_rot dimensions (0: all), q/k norms or not, a shared expert,
+    # dense FFNs (n_ff wide) in the first n_dense_lead layers, a multi-token-prediction
+    # block after the trunk (n_nextn), routed weights scaled by routed_scale
+    n_rot: int = 0
+    qk_norm: bool = True
+    n_expert_shared: int = 0
+    n_dense_lead: int = 0
+    n_nextn: int = 0
+    routed_scale: float = 0.0
 
 
 PRESETS = {
@@ -82,6 +91,20 @@ PRESETS = {
     "gpt-oss-120b": SynthSpec(n_vocab=201088, n_embd=2880, n_layer=36, n_head=64, n_head_kv=8, head_dim=64,
                               n_ff_exp=2880, n_expert=128, n_expert_used=4, n_ctx=131072, rope_base=150000.0,
                               rms_eps=1e-5, arch="gpt-oss", n_swa=128, yarn_factor=32.0, yarn_orig_ctx=4096),
+    # GLM-4.5-Air (106B-A12B): 46 layers and a prediction block, the first layer dense
+    "glm-4.5-air": SynthSpec(n_vocab=151552, n_embd=4096, n_layer=46, n_head=96, n_head_kv=8, head_dim=128,
+                             n_ff_exp=1408, n_expert=128, n_expert_used=8, n_ctx=131072, rope_base=1e6,
+                             rms_eps=1e-5, n_ff=10944, arch="glm4moe", n_rot=64, qk_norm=False, n_expert_shared=1,
+                             n_dense_lead=1, n_nextn=1, routed_scale=1.0),
+    # GLM-4.5 (355B-A32B): q/k norms, 160 experts, three dense layers
+    "glm-4.5": SynthSpec(n_vocab=151552, n_embd=5120, n_layer=92, n_head=96, n_head_kv=8, head_dim=128,
+                         n_ff_exp=1536, n_expert=160, n_expert_used=8, n_ctx=131072, rope_base=1e6, rms_eps=1e-5,
+                         n_ff=12288, arch="glm4moe", n_rot=64, qk_norm=True, n_expert_shared=1, n_dense_lead=3,
+                         n_nextn=1, routed_scale=2.5),
+    "tiny-glm": SynthSpec(n_vocab=512, n_embd=128, n_layer=3, n_head=6, n_head_kv=2, head_dim=32,
+                          n_ff_exp=64, n_expert=8, n_expert_used=3, n_ctx=512, rope_base=1e4, rms_eps=1e-5,
+                          n_ff=192, arch="glm4moe", n_rot=16, qk_norm=False, n_expert_shared=1, n_dense_lead=1,
+                          n_nextn=1, routed_scale=2.5),
     "tiny-oss": SynthSpec(n_vocab=512, n_embd=128, n_layer=4, n_head=4, n_head_kv=2, head_dim=32,
                           n_ff_exp=64, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, rms_eps=1e-5,
                           arch="gpt-oss", n_swa=8, yarn_factor=4.0, yarn_orig_ctx=64),
@@ -120,8 +143,9 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
     if qtype in EXPERT_MIXES:
         experts, qtype = EXPERT_MIXES[qtype]
     plan = [("token_embd.weight", (s.n_vocab, d), embd_type or qtype)]
-    if s.arch == "gpt-oss":
-        return plan + _gptoss_layers(s, qtype, experts) + [("output_norm.weight", (d,), "f32")] + (
+    if s.arch in ("gpt-oss", "glm4moe"):
+        layers = _gptoss_layers(s, qtype, experts) if s.arch == "gpt-oss" else _glm_layers(s, qtype, experts, mix)
+        return plan + layers + [("output_norm.weight", (d,), "f32")] + (
             [] if tied_output else [("output.weight", (s.n_vocab, d), output_type or qtype)])
     for i in range(s.n_layer):
         b = f"blk.{i}."
@@ -167,6 +191,42 @@ def _gptoss_layers(s: SynthSpec, qtype: str, experts: str | None):
             (b + "ffn_up_exps.weight", (E, ff, d), experts or qtype), (b + "ffn_up_exps.bias", (E, ff), "f32"),
             (b + "ffn_down_exps.weight", (E, d, ff), experts or qtype), (b + "ffn_down_exps.bias", (E, d), "f32"),
         ]
+    return plan
+
+
+def _glm_layers(s: SynthSpec, qtype: str, experts: str | None, mix: str | bool):
+    d, E, ff, q, kv = s.n_embd, s.n_expert, s.n_ff_exp, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    sh = s.n_expert_shared * ff
+    plan = []
+    for i in range(s.n_layer + s.n_nextn):
+        b = f"blk.{i}."
+        wv, wo, down = mix_types(mix, qtype, i, s.n_layer, s.n_head // s.n_head_kv) if mix else (qtype, qtype, qtype)
+        plan += [
+            (b + "attn_norm.weight", (d,), "f32"),
+            (b + "attn_q.weight", (q, d), qtype), (b + "attn_q.bias", (q,), "f32"),
+            (b + "attn_k.weight", (kv, d), qtype), (b + "attn_k.bias", (kv,), "f32"),
+            (b + "attn_v.weight", (kv, d), wv), (b + "attn_v.bias", (kv,), "f32"),
+            (b + "attn_output.weight", (d, q), wo),
+        ]
+        if s.qk_norm:
+            plan += [(b + "attn_q_norm.weight", (s.head_dim,), "f32"), (b + "attn_k_norm.weight", (s.head_dim,), "f32")]
+        plan.append((b + "post_attention_norm.weight", (d,), "f32"))
+        if i < s.n_dense_lead:
+            plan += [(b + "ffn_gate.weight", (s.n_ff, d), qtype), (b + "ffn_up.weight", (s.n_ff, d), qtype),
+                     (b + "ffn_down.weight", (d, s.n_ff), down)]
+            continue
+        plan += [
+            (b + "ffn_gate_inp.weight", (E, d), "f32"), (b + "exp_probs_b.bias", (E,), "f32"),
+            (b + "ffn_gate_exps.weight", (E, ff, d), experts or qtype),
+            (b + "ffn_up_exps.weight", (E, ff, d), experts or qtype),
+            (b + "ffn_down_exps.weight", (E, d, ff), experts or down),
+        ]
+        if sh:
+            plan += [(b + "ffn_gate_shexp.weight", (sh, d), qtype), (b + "ffn_up_shexp.weight", (sh, d), qtype),
+                     (b + "ffn_down_shexp.weight", (d, sh), down)]
+        if i >= s.n_layer:   # the prediction block's own tensors (llama.cpp's MTP), never run
+            plan += [(b + "nextn.eh_proj.weight", (d, 2 * d), qtype), (b + "nextn.enorm.weight", (d,), "f32"),
+                     (b + "nextn.hnorm.weight", (d,), "f32"), (b + "nextn.shared_head_norm.weight", (d,), "f32")]
     return plan
 
 
@@ -373,7 +433,7 @@ def _add_metadata(w, s: SynthSpec, qtype: str, name: str) -> None:
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
     w.add_feed_forward_length(s.n_ff or s.n_ff_exp * s.n_expert_used)
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + s.n_nextn)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
     w.add_key_length(s.head_dim)
@@ -385,6 +445,16 @@ def _add_metadata(w, s: SynthSpec, qtype: str, name: str) -> None:
     w.add_expert_feed_forward_length(s.n_ff_exp)
     if s.n_swa:
         w.add_sliding_window(s.n_swa)
+    if s.arch == "glm4moe":
+        import gguf
+        w.add_rope_dimension_count(s.n_rot or s.head_dim)
+        w.add_expert_shared_count(s.n_expert_shared)
+        w.add_leading_dense_block_count(s.n_dense_lead)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(s.routed_scale)
+        w.add_expert_weights_norm(True)
+        if s.n_nextn:
+            w.add_nextn_predict_layers(s.n_nextn)
     if s.yarn_factor:
         import gguf
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

@@ -1,6 +1,7 @@
 """What every architecture's loader hands the backends: hyperparameters, the tensors of
 each layer (optional ones None where an architecture has no such tensor), and the merges
-made at load time. Architectures: runtime.arch_qwen3moe, runtime.arch_gptoss.
+made at load time. Architectures: runtime.arch_qwen3moe, runtime.arch_gptoss,
+runtime.arch_glm4moe.
 """
 from __future__ import annotations
 
@@ -39,6 +40,28 @@ class YaRN:
 
 
 @dataclass(frozen=True)
+class Gating:
+    """How a MoE layer's router turns logits into experts and weights (llama.cpp's
+    build_moe_ffn): softmax or sigmoid of the logits; the top_k chosen by those
+    probabilities plus a per-expert selection bias where the layer has one (exp_probs_b:
+    it picks, it never weighs); their probabilities renormalised to sum to one (norm; the
+    sum clamped below at 2^-14), then scaled (scale, unless 0 or 1). `shared` experts
+    follow as slots top_k.. of every token, experts E.. with weight 1: the shared FFN
+    stored as more experts (runtime.arch.append_shared), so it rides the same products."""
+    top_k: int
+    func: str = "softmax"          # or "sigmoid"
+    norm: bool = True
+    scale: float = 0.0
+    shared: int = 0
+
+    FUNCS = ("softmax", "sigmoid")
+
+    @property
+    def slots(self) -> int:
+        return self.top_k + self.shared
+
+
+@dataclass(frozen=True)
 class HParams:
     n_vocab: int
     n_embd: int
@@ -58,6 +81,24 @@ class HParams:
     n_swa: int = 0                      # the sliding window's length in tokens (0: none)
     swa_pattern: int = 0                # layer il slides where il % swa_pattern < swa_pattern - 1
     expert_act: str = "silu"            # or "swiglu_oai"
+    # glm4moe: RoPE on the first n_rot dimensions of a head only (0: all), sigmoid routing
+    # with a selection bias and a shared expert, dense FFNs (n_ff wide) in the first layers
+    n_rot: int = 0
+    expert_gating: str = "softmax"
+    expert_weights_norm: bool = True
+    shared_slots: int = 0               # shared experts riding with the routed ones (Gating.shared)
+    n_dense_lead: int = 0
+    n_ff: int = 0
+
+    @property
+    def rot_dim(self) -> int:
+        """The dimensions of a head that RoPE turns (the first ones)."""
+        return self.n_rot or self.head_dim
+
+    @property
+    def gating(self) -> Gating:
+        return Gating(self.n_expert_used, self.expert_gating, self.expert_weights_norm, self.expert_weights_scale,
+                      self.shared_slots)
 
     def window(self, il: int) -> int:
         """Layer il's sliding window (a query at p sees keys p - window < j <= p), 0: all."""
@@ -86,6 +127,23 @@ def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
     return TensorRef(name, gate.qtype, (E, 2 * ff, k), load)
 
 
+def append_shared(exps: TensorRef, shexp: TensorRef, name: str) -> TensorRef:
+    """(E, ff, k) experts and a shared expert's (ff, k) -> (E + 1, ff, k): the shared one as
+    expert E (Gating.shared). Down's (E, d, ff) and (d, ff) alike."""
+    E, rows, k = exps.shape
+
+    def load(xp=np):
+        a, b = exps.load(xp), shexp.load(xp)
+        return xp.concatenate([a.reshape(E * rows, -1), b.reshape(rows, -1)], axis=0)
+
+    return TensorRef(name, exps.qtype, (E + 1, rows, k), load)
+
+
+def as_one_expert(t: TensorRef) -> TensorRef:
+    """A dense FFN's (m, k) matrix as (1, m, k): an expert every token takes."""
+    return TensorRef(t.name, t.qtype, (1, *t.shape), t.load)
+
+
 def file_tensors(f: GGUFFile) -> dict[str, TensorRef]:
     """The file's tensors as the backends load them: types without kernels (q3_K, ...) as
     q8_0 (check_tensors allowed only those, ours and floats, checked as the file has them)."""
@@ -99,9 +157,12 @@ def set_gate_up(L: "LayerRefs", T: dict[str, TensorRef], b: str, merge: bool) ->
     if b + "ffn_gate_up_exps.weight" in T:
         L.gate_up = T[b + "ffn_gate_up_exps.weight"]
         return
-    g, u = T[b + "ffn_gate_exps.weight"], T[b + "ffn_up_exps.weight"]
+    pick_gate_up(L, T[b + "ffn_gate_exps.weight"], T[b + "ffn_up_exps.weight"], merge, b + "ffn_gate_up_exps.weight")
+
+
+def pick_gate_up(L: "LayerRefs", g: TensorRef, u: TensorRef, merge: bool, name: str) -> None:
     if merge and g.qtype == u.qtype:
-        L.gate_up = merge_gate_up(g, u, b + "ffn_gate_up_exps.weight")
+        L.gate_up = merge_gate_up(g, u, name)
     else:
         L.gate, L.up = g, u
 
@@ -116,7 +177,8 @@ def open_layers(f: GGUFFile, hp: HParams, expected: dict[str, Expect], layer_ref
     layers = []
     for i in range(hp.n_layer):
         L = layer_refs(T, f"blk.{i}.")
-        set_gate_up(L, T, f"blk.{i}.", merge)
+        if L.gate_up is None and L.gate is None:   # else the architecture chose them (pick_gate_up)
+            set_gate_up(L, T, f"blk.{i}.", merge)
         layers.append(L)
     output = T.get("output.weight", T["token_embd.weight"])
     return ModelRefs(hp, T["token_embd.weight"], T["output_norm.weight"], output, layers)
@@ -142,7 +204,7 @@ class LayerRefs:
     q_norm: TensorRef | None      # qwen3moe's per-head RMSNorm of q and k
     k_norm: TensorRef | None
     ffn_norm: TensorRef
-    router: TensorRef
+    router: TensorRef | None     # None: a dense FFN layer (its one expert always taken)
     down: TensorRef
     gate_up: TensorRef | None = None      # merged, gate rows first
     gate: TensorRef | None = None         # separate, where types differ
@@ -157,6 +219,11 @@ class LayerRefs:
     gate_b: TensorRef | None = None       # (E, ff); with gate_up merged: gate_up_b (E, 2 ff)
     up_b: TensorRef | None = None
     down_b: TensorRef | None = None       # (E, d)
+    # glm4moe: the router's selection bias (E,); a dense layer has no router and one expert
+    # (its FFN, as_one_expert); `shared` a shared expert that could not join the experts
+    # (another type): a LayerRefs of its own with gate/up/down (1, ff, k) and (1, d, ff)
+    exp_probs_b: TensorRef | None = None
+    shared: "LayerRefs | None" = None
 
 
 @dataclass

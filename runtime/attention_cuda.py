@@ -98,13 +98,13 @@ class CudaAttentionOps:
         hp, n = self.hp, q.shape[0]
         self._pending_qk = None
         y = hp.yarn
-        lo, hi = y.corr_dims(hp.head_dim, hp.rope_base) if y is not None else (0.0, 0.0)
+        lo, hi = y.corr_dims(hp.rot_dim, hp.rope_base) if y is not None else (0.0, 0.0)
         total = n * (hp.n_head + hp.n_head_kv) * (hp.head_dim // 2)
         self.kernel("rope_yarn_store")(grid_1d(total), (256,), (
             q, k, v, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
             _f32(math.log2(hp.rope_base)), _f32(y.freq_scale if y else 1.0), _f32(y.ext_factor if y else 0.0),
             _f32(lo), _f32(hi), _f32(y.mscale() if y else 1.0), _i32(n),
-            *((L.bq, L.bk, L.bv) if L is not None and L.bq is not None else (_NULL, _NULL, _NULL))))
+            *((L.bq, L.bk, L.bv) if L is not None and L.bq is not None else (_NULL, _NULL, _NULL)), _i32(hp.rot_dim)))
 
     def qk_norm_rope_store_(self, cache, il, q, k, v, L, pos, pos0):
         hp = self.hp

@@ -44,6 +44,8 @@ class LayerWeights:
     gate_b: object = None      # (E, ff)
     up_b: object = None
     down_b: object = None      # (E, d)
+    exp_probs_b: object = None  # (E,): the router's selection bias (runtime.arch.Gating)
+    shared: "LayerWeights | None" = None   # a shared expert of its own (runtime.arch.LayerRefs.shared)
 
 
 @dataclass
@@ -117,28 +119,35 @@ class Backend:
         quantized = refs.attention_quantized() or self.cache_type == "f16"
         self.attn_precision = self.attn_request or ("f16" if quantized else "f32")
         M, V = self.matrix, self.vector
-
-        def opt(ref):
-            return None if ref is None else V(ref)
-
         tok = M(refs.tok_embd, embedding=True)
         out = tok if refs.output is refs.tok_embd else M(refs.output)
         layers = []
         for i, L in enumerate(refs.layers):
-            wqkv = self.stacked_qkv(L)
-            wq, wk, wv = (None, None, None) if wqkv is not None else (M(L.wq), M(L.wk), M(L.wv))
-            bq, bk, bv = opt(L.bq), opt(L.bk), opt(L.bv)
-            layers.append(LayerWeights(
-                V(L.attn_norm), wq, wk, wv, M(L.wo), opt(L.q_norm), opt(L.k_norm),
-                V(L.ffn_norm), M(L.router), M(L.down),
-                gate_up=M(L.gate_up) if L.gate_up else None,
-                gate=M(L.gate) if L.gate else None, up=M(L.up) if L.up else None, wqkv=wqkv,
-                bq=bq, bk=bk, bv=bv, bqkv=None if wqkv is None or bq is None else self.xp.concatenate([bq, bk, bv]),
-                bo=opt(L.bo), sinks=opt(L.sinks), router_b=opt(L.router_b), gate_b=opt(L.gate_b),
-                up_b=opt(L.up_b), down_b=opt(L.down_b)))
+            layers.append(self._layer(L))
             if progress:
                 progress(i + 1, len(refs.layers))
         return Weights(tok, V(refs.output_norm), out, layers)
+
+    def _layer(self, L) -> LayerWeights:
+        M, V = self.matrix, self.vector
+
+        def opt(ref, make=V):
+            return None if ref is None else make(ref)
+
+        if L.attn_norm is None:   # a shared expert's own FFN: only its products
+            return LayerWeights(None, None, None, None, None, None, None, None, None, M(L.down),
+                                gate_up=opt(L.gate_up, M), gate=opt(L.gate, M), up=opt(L.up, M))
+        wqkv = self.stacked_qkv(L)
+        wq, wk, wv = (None, None, None) if wqkv is not None else (M(L.wq), M(L.wk), M(L.wv))
+        bq, bk, bv = opt(L.bq), opt(L.bk), opt(L.bv)
+        return LayerWeights(
+            V(L.attn_norm), wq, wk, wv, M(L.wo), opt(L.q_norm), opt(L.k_norm),
+            V(L.ffn_norm), opt(L.router, M), M(L.down),
+            gate_up=opt(L.gate_up, M), gate=opt(L.gate, M), up=opt(L.up, M), wqkv=wqkv,
+            bq=bq, bk=bk, bv=bv, bqkv=None if wqkv is None or bq is None else self.xp.concatenate([bq, bk, bv]),
+            bo=opt(L.bo), sinks=opt(L.sinks), router_b=opt(L.router_b), gate_b=opt(L.gate_b),
+            up_b=opt(L.up_b), down_b=opt(L.down_b), exp_probs_b=opt(L.exp_probs_b),
+            shared=None if L.shared is None else self._layer(L.shared))
 
     def new_cache(self, n_ctx: int, max_pass: int | None = None) -> KVCache:
         """max_pass: the most tokens a pass will store; with it, sliding-window layers keep
@@ -161,13 +170,14 @@ class Backend:
 
     def rope_store_(self, cache, il, q, k, v, pos, pos0, L: LayerWeights | None = None):
         """The biases of L's q, k and v projections added (where L is given and has them),
-        RoPE of q and k in place (NEOX, YaRN-scaled where hp.yarn says); k and v into the cache."""
+        RoPE of q and k in place (NEOX over each head's first hp.rot_dim dimensions,
+        YaRN-scaled where hp.yarn says); k and v into the cache."""
         hp = self.hp
         if L is not None and L.bq is not None:
             for y, b in ((q, L.bq), (k, L.bk), (v, L.bv)):
                 self.add_bias_(y, b)
-        self.rope_(q, pos, hp.n_head, hp.rope_base, hp.yarn)
-        self.rope_(k, pos, hp.n_head_kv, hp.rope_base, hp.yarn)
+        self.rope_(q, pos, hp.n_head, hp.rope_base, hp.yarn, hp.rot_dim)
+        self.rope_(k, pos, hp.n_head_kv, hp.rope_base, hp.yarn, hp.rot_dim)
         self.kv_store_(cache, il, k, v, pos, pos0)
 
     def qk_norm_rope_store_(self, cache, il, q, k, v, L: LayerWeights, pos, pos0):
@@ -179,10 +189,23 @@ class Backend:
         self.rope_(k, pos, hp.n_head_kv, hp.rope_base)
         self.kv_store_(cache, il, k, v, pos, pos0)
 
-    def route_tokens(self, router, x, top_k, scale, bias=None):
-        """Router logits, then each token's top_k experts and their renormalised weights
-        (gpt-oss's softmax over the top_k logits is the same thing)."""
-        return self.route(self.matmul(router, x, "router", bias=bias), top_k, scale)
+    def route_tokens(self, router, x, gating, bias=None, sel_bias=None):
+        """Router logits (plus their bias), then each token's experts and weights as gating
+        (runtime.arch.Gating) says: (n, gating.slots) ids and weights, shared experts last."""
+        return self.route(self.matmul(router, x, "router", bias=bias), gating, sel_bias)
+
+    def dense_route(self, n: int):
+        """A dense FFN layer's ids and weights: its one expert, weight 1, for each token."""
+        xp = self.xp
+        return xp.zeros((n, 1), dtype=np.int32), xp.ones((n, 1), dtype=np.float32)
+
+    def shared_expert_(self, S: LayerWeights, x, h):
+        """x += the shared FFN S of h (an expert of its own: its types differ from the routed ones')."""
+        n = h.shape[0]
+        ids, _ = self.dense_route(n)
+        act = self.expert_gate_up(S, h, ids, "shared_act")
+        y = self.mul_mat_id(S.down, act, ids, "shared_down")
+        self.add_(x, y.reshape(n, -1))
 
     def add_rms_norm_(self, x, y, w, eps, name, bias=None):
         """x += y (+ bias: added to y first); returns rms_norm(x) * w."""

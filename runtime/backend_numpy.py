@@ -130,15 +130,17 @@ class NumpyBackend(Backend):
         n = x.shape[0]
         x[...] = self.rms_norm(x.reshape(n * n_heads, -1), w, eps, None).reshape(x.shape)
 
-    def rope_(self, x, pos, n_heads, base, yarn=None):
-        """NEOX: pairs (i, i + d/2) rotate by pos * base^(-2i/d). The angles follow ggml's
-        float32 recurrence (theta *= base^(-2/d)), which is what llama.cpp's CPU uses; with
-        YaRN (runtime.arch.YaRN) each pair's angle mixes the interpolated and the original
-        one by ggml's ramp, and cos and sin are scaled by its mscale."""
+    def rope_(self, x, pos, n_heads, base, yarn=None, n_rot=None):
+        """NEOX: pairs (i, i + r/2) of each head's first r = n_rot dimensions (all where None)
+        rotate by pos * base^(-2i/r); the rest stay. The angles follow ggml's float32
+        recurrence (theta *= base^(-2/r)), which is what llama.cpp's CPU uses; with YaRN
+        (runtime.arch.YaRN) each pair's angle mixes the interpolated and the original one by
+        ggml's ramp, and cos and sin are scaled by its mscale."""
         n = x.shape[0]
         hd = x.shape[1] // n_heads
-        half = hd // 2
-        step = np.float32(base) ** np.float32(-2.0 / hd)
+        rot = n_rot or hd
+        half = rot // 2
+        step = np.float32(base) ** np.float32(-2.0 / rot)
         theta = np.empty((n, half), dtype=np.float32)
         t = np.asarray(pos, dtype=np.float32)
         for i in range(half):
@@ -146,12 +148,12 @@ class NumpyBackend(Backend):
             t = (t * step).astype(np.float32)
         mscale = 1.0
         if yarn is not None:
-            theta, mscale = yarn_angles(theta, yarn, hd, base)
+            theta, mscale = yarn_angles(theta, yarn, rot, base)
         c = np.cos(theta.astype(_F64))[:, None, :] * mscale
         s = np.sin(theta.astype(_F64))[:, None, :] * mscale
         xh = x.reshape(n, n_heads, hd).astype(_F64)
-        x0, x1 = xh[..., :half], xh[..., half:]
-        out = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+        x0, x1 = xh[..., :half], xh[..., half:rot]
+        out = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c, xh[..., rot:]], axis=-1)
         x[...] = out.reshape(x.shape).astype(np.float32)
 
     def ring_layer(self, rows, n_ctx, kv_dim, dtype):
@@ -236,15 +238,22 @@ class NumpyBackend(Backend):
             out[sel] = w.product(xs[sel], slice(int(e) * m, (int(e) + 1) * m))
         return out.reshape(n, top_k, m)
 
-    def route(self, logits, top_k, scale):
-        p = _router_probs(logits)
-        ids = np.argsort(-p, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
-        return ids, _renormalised(p, ids, scale)
+    def route(self, logits, gating, sel_bias=None):
+        """gating (runtime.arch.Gating): the probabilities (float32, as ggml keeps them), the
+        top_k by them plus sel_bias (a float32 sum, as ggml's), ties to the lower expert;
+        shared experts appended as slots top_k.. with weight 1."""
+        p = _router_probs(logits, gating.func)
+        key = p if sel_bias is None else (p + np.asarray(sel_bias, dtype=np.float32)).astype(np.float32)
+        ids = np.argsort(-key, axis=-1, kind="stable")[:, :gating.top_k].astype(np.int32)
+        return _with_shared(ids, _weights(p, ids, gating), gating, logits.shape[-1])
 
-    def route_weights(self, logits, ids, scale):
-        """The renormalised weights of the experts ids, whichever chose them (tests route a
-        float model on the experts that its kernel numerics picked)."""
-        return _renormalised(_router_probs(logits), ids, scale)
+    def route_weights(self, logits, ids, gating):
+        """The weights of the routed experts ids (n, top_k; shared slots after them are
+        ignored), whichever chose them (tests route a float model on the experts that its
+        kernel numerics picked, or the GPU's), shared slots appended."""
+        p = _router_probs(logits, gating.func)
+        ids = ids[:, :gating.top_k]
+        return _with_shared(ids, _weights(p, ids, gating), gating, logits.shape[-1])[1]
 
     def swiglu(self, gu, name):
         ff = gu.shape[-1] // 2
@@ -262,15 +271,27 @@ class NumpyBackend(Backend):
         x += y
 
 
-def _router_probs(logits):
+def _router_probs(logits, func: str = "softmax"):
     z = logits.astype(_F64)
+    if func == "sigmoid":
+        return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
     p = np.exp(z - z.max(axis=-1, keepdims=True))
     return (p / p.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
-def _renormalised(p, ids, scale):
+def _weights(p, ids, gating):
     w = np.take_along_axis(p, ids, axis=-1).astype(_F64)
-    w /= np.maximum(w.sum(axis=-1, keepdims=True), 6.103515625e-5)
-    if scale not in (0.0, 1.0):
-        w *= scale
+    if gating.norm:
+        w /= np.maximum(w.sum(axis=-1, keepdims=True), 6.103515625e-5)
+    if gating.scale not in (0.0, 1.0):
+        w *= gating.scale
     return w.astype(np.float32)
+
+
+def _with_shared(ids, wts, gating, n_expert: int):
+    if not gating.shared:
+        return ids, wts
+    n = ids.shape[0]
+    shared = np.broadcast_to(np.arange(n_expert, n_expert + gating.shared, dtype=np.int32), (n, gating.shared))
+    return (np.concatenate([ids, shared], axis=1),
+            np.concatenate([wts, np.ones((n, gating.shared), dtype=np.float32)], axis=1))

@@ -22,7 +22,7 @@ def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
         a = B.attention(m.cache, il, q, pos, pos0, n, "attn", sinks=L.sinks, window=hp.window(il))
         h = B.add_rms_norm_(x, B.matmul(L.wo, a, "attn_out"), L.ffn_norm, eps, "h", bias=L.bo)
 
-        ids, wts = B.route_tokens(L.router, h, hp.n_expert_used, hp.expert_weights_scale, bias=L.router_b)
+        ids, wts = B.route_tokens(L.router, h, hp.gating, bias=L.router_b)
         act = B.expert_gate_up(L, h, ids, "act")
         nxt = W.layers[il + 1].attn_norm if il + 1 < len(W.layers) else W.output_norm
         h = B.moe_down_combine_rms_norm_(L, x, act, ids, wts, nxt, eps, "h")

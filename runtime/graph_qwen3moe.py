@@ -27,7 +27,7 @@ def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
         a = B.attention(m.cache, il, q, pos, pos0, n, "attn")
         h = B.add_rms_norm_(x, B.matmul(L.wo, a, "attn_out"), L.ffn_norm, eps, "h")
 
-        ids, wts = B.route_tokens(L.router, h, hp.n_expert_used, hp.expert_weights_scale)
+        ids, wts = B.route_tokens(L.router, h, hp.gating)
         act = B.expert_gate_up(L, h, ids, "act")
         # the residual sum and the next norm (the next layer's, or the output norm) together
         nxt = W.layers[il + 1].attn_norm if il + 1 < len(W.layers) else W.output_norm

@@ -11,12 +11,13 @@ import warnings
 
 import numpy as np
 
-from . import arch_gptoss, arch_qwen3moe, graph_gptoss, graph_qwen3moe
+from . import arch_glm4moe, arch_gptoss, arch_qwen3moe, graph_glm4moe, graph_gptoss, graph_qwen3moe
 from .convert import note
 from .gguf_file import GGUFError, GGUFFile
 from .sampling import Sampler, Sampling
 
-ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe), arch_gptoss.ARCH: (arch_gptoss, graph_gptoss)}
+ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe), arch_gptoss.ARCH: (arch_gptoss, graph_gptoss),
+         arch_glm4moe.ARCH: (arch_glm4moe, graph_glm4moe)}
 BACKENDS = ("cuda", "numpy")
 # With n_ubatch=None, a pass that returns every row's logits (logits(), perplexity) takes at
 # most this many tokens: its logits alone are n x n_vocab floats (Qwen3's 151936: 2.5 GB at
@@ -283,7 +284,10 @@ class Model:
 
     def describe(self) -> str:
         return (f"{self.arch} {os.path.basename(self.path)}: {self.hp.n_layer} layers, d={self.hp.n_embd}, "
-                f"{self.hp.n_expert} experts (top {self.hp.n_expert_used}), vocab {self.hp.n_vocab}, "
+                f"{self.hp.n_expert} experts (top {self.hp.n_expert_used}"
+                + (f", {self.hp.shared_slots} shared" if self.hp.shared_slots else "")
+                + (f"; {self.hp.n_dense_lead} dense layers first" if self.hp.n_dense_lead else "")
+                + f"), vocab {self.hp.n_vocab}, "
                 f"{self.n_params / 1e9:.2f} B params, {self.n_bytes / 2**30:.2f} GiB, backend {self.backend.name}, "
                 f"{self.backend.cache_type} KV cache of {self.cache.n_ctx} positions, "
                 f"{self.cache.nbytes / 2**20:.1f} MiB" + (f" ({self.cache.rings} sliding layers in rings of "

@@ -16,6 +16,18 @@ _NULL = np.uint64(0)
 ROUTER_CLUSTER_BLOCKS = 8    # routing.cuh.j2: RC_BLOCKS (the cluster's size, fixed in the kernel)
 
 
+def _gating_args(gating, sel_bias):
+    """routing.cuh.j2's gating word (GATE_SIGMOID, GATE_NO_NORM), selection bias, shared slots."""
+    word = (1 if gating.func == "sigmoid" else 0) | (0 if gating.norm else 2)
+    return _i32(word), _NULL if sel_bias is None else sel_bias, _i32(gating.shared)
+
+
+def _keyed(gating, sel_bias) -> str:
+    """The routing kernels' variant: the plain softmax's, or the one that chooses by
+    probability plus selection bias (routing.cuh.j2, KEYED)."""
+    return "_keyed" if gating.func != "softmax" or sel_bias is not None else ""
+
+
 class GluProducts:
     """The expert gate|up products (n, top_k, 2 n_ff) standing for SiLU(gate) * up, which
     only the down product reads: its quantizer computes the activation as it quantizes
@@ -109,33 +121,49 @@ class CudaMoeOps:
         self._waited_ids = (ids.data.ptr, out.data.ptr) if q8 is not None else None
         return out
 
-    def route_tokens(self, router, x, top_k, scale, bias=None):
+    def route_tokens(self, router, x, gating, bias=None, sel_bias=None):
         n, k = x.shape
         if router.f is None or n > dispatch.MMVQ_MAX_TOKENS:
-            return super().route_tokens(router, x, top_k, scale, bias)
+            return super().route_tokens(router, x, gating, bias, sel_bias)
         b = _NULL if bias is None else bias
         m = router.shape[0]
         logits = self.ws("router", (n, m))
-        ids = self.ws("ids", (n, top_k), np.int32)
-        wts = self.ws("wts", (n, top_k))
+        ids, wts = self._route_out(n, gating)
+        tail = (b, *_gating_args(gating, sel_bias))
         if self.router_cluster and int(self._device()["cc"].split(".")[0]) >= 9:
             # a cluster of blocks per token, the logits gathered in one block's shared memory
-            self.kernel("router_route_cluster")((ROUTER_CLUSTER_BLOCKS, n), (512,), (
-                router.f, x, logits, _i32(m), _i32(k), _i32(n), _i32(top_k), _f32(scale), ids, wts, b))
+            self.kernel("router_route_cluster" + _keyed(gating, sel_bias))((ROUTER_CLUSTER_BLOCKS, n), (512,), (
+                router.f, x, logits, _i32(m), _i32(k), _i32(n), _i32(gating.top_k), _f32(gating.scale), ids, wts,
+                *tail))
             return ids, wts
         if self._counter is None:
             self._counter = self.cp.zeros(1, dtype=self.cp.uint32)   # router_route resets it after use
             self.generation += 1
-        self.kernel("router_route")((-(-m // 8), n), (256,), (router.f, x, logits, _i32(m), _i32(k), _i32(n),
-                                                            _i32(top_k), _f32(scale), ids, wts, self._counter, b))
+        self.kernel("router_route" + _keyed(gating, sel_bias))((-(-m // 8), n), (256,), (router.f, x, logits, _i32(m), _i32(k), _i32(n),
+                                                            _i32(gating.top_k), _f32(gating.scale), ids, wts,
+                                                            self._counter, *tail))
         return ids, wts
 
-    def route(self, logits, top_k, scale):
+    def route(self, logits, gating, sel_bias=None):
         n, E = logits.shape
-        ids = self.ws("ids", (n, top_k), np.int32)
-        wts = self.ws("wts", (n, top_k))
-        self.kernel("route_topk")(grid_1d(n, 4), (128,), (logits, _i32(n), _i32(E), _i32(top_k), _f32(scale),
-                                                           ids, wts))
+        ids, wts = self._route_out(n, gating)
+        self.kernel("route_topk" + _keyed(gating, sel_bias))(grid_1d(n, 4), (128,), (logits, _i32(n), _i32(E), _i32(gating.top_k),
+                                                           _f32(gating.scale), ids, wts,
+                                                           *_gating_args(gating, sel_bias)))
+        return ids, wts
+
+    def _route_out(self, n: int, gating):
+        if gating.func not in gating.FUNCS:
+            raise ValueError(f"expert gating {gating.func!r}: the router kernels take {', '.join(gating.FUNCS)}")
+        if gating.shared > 32:
+            raise ValueError(f"{gating.shared} shared experts: the router kernels write up to 32")
+        return self.ws("ids", (n, gating.slots), np.int32), self.ws("wts", (n, gating.slots))
+
+    def dense_route(self, n: int):
+        """Buffers of their own, filled at every pass (two memsets; a captured pass replays them)."""
+        ids, wts = self.ws("dense_ids", (n, 1), np.int32), self.ws("dense_wts", (n, 1))
+        ids.fill(0)
+        wts.fill(1.0)
         return ids, wts
 
     def swiglu(self, gu, name):

@@ -28,7 +28,13 @@ _O200K = "|".join([
     r"\s+(?!\S)",
     r"\s+",
 ])
-PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2, "gpt-4o": _O200K}
+# GLM-4's split (llama.cpp's "glm4"): Llama 3's, digits in runs of up to three
+_GLM4 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+         r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2, "gpt-4o": _O200K, "glm4": _GLM4}
+# vocabularies whose pieces are taken whole where the vocabulary holds them, before any
+# merge (llama.cpp's ignore_merges), and that never start with a BOS token
+WHOLE_PIECES = ("glm4",)
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
 
@@ -76,7 +82,7 @@ class Tokenizer:
                             f"(known: {', '.join(PRE_PATTERNS)})")
         vocab = {t: i for i, t in enumerate(tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False)
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in WHOLE_PIECES)
         tok = HFTokenizer(bpe)
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(PRE_PATTERNS[pre]), behavior="isolated", invert=False),
@@ -87,8 +93,8 @@ class Tokenizer:
                    for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
         if special:
             tok.add_special_tokens(special)
-        return cls(tok, f.get("tokenizer.ggml.bos_token_id"), f.get("tokenizer.ggml.eos_token_id"),
-                   bool(f.get("tokenizer.ggml.add_bos_token", False)))
+        bos = None if pre in WHOLE_PIECES else f.get("tokenizer.ggml.bos_token_id")
+        return cls(tok, bos, f.get("tokenizer.ggml.eos_token_id"), bool(f.get("tokenizer.ggml.add_bos_token", False)))
 
     @property
     def n_vocab(self) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the llama.cpp parity fixtures (tests/fixtures/parity/).
 
-Writes tiny qwen3moe and gpt-oss GGUF files with moeforge's synth writer (seeded float weights,
+Writes tiny qwen3moe, gpt-oss and glm4moe GGUF files with moeforge's synth writer (seeded float weights,
 quantized by gguf's reference quantizer, q4_K and q6_K by moeforge's own: bit-identical on
 every run; the K-quant files are a wider model, rows of whole super-blocks), evaluates them with
 llama.cpp on the CPU through llama-cpp-python (F32 KV cache, flash attention off, one
@@ -12,7 +12,8 @@ llama-cpp-python is not a dependency of moeforge; install it to run this script:
     CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python
 (GGML_NATIVE=OFF keeps llama.cpp off AMX, whose Q4_0/Q8_0 repacking crashes on some CPUs.)
 The gpt-oss group needs a llama.cpp that knows the architecture (llama-cpp-python 0.3.16 or
-later); `--group oss` remakes only those fixtures.
+later), the glm4moe groups one that knows GLM-4.5 (0.3.36 made them); `--group oss` remakes
+only those fixtures.
 
 The token sequence is chosen, token by token, so that on every fixture the top-1 token
 leads the runner-up by MIN_MARGIN at every position and every routing decision has a gap
@@ -68,8 +69,19 @@ SPEC_OSS = dict(n_vocab=384, n_embd=128, n_layer=3, n_head=4, n_head_kv=2, head_
                 n_swa=12, yarn_factor=8.0, yarn_orig_ctx=64)
 FIXTURES_OSS = {"gpt-oss-f32": dict(qtype="f32"), "gpt-oss-q8_0": dict(qtype="q8_0"),
                 "gpt-oss-mxfp4_moe": dict(qtype="mxfp4_moe")}
+# glm4moe (GLM-4.5-Air's graph): biased q, k, v, RoPE on 16 of 32 dimensions, a dense first
+# layer, sigmoid routing with a selection bias, renormalised weights scaled by 2.5, a shared
+# expert, and a prediction block after the trunk that llama.cpp loads and neither runs;
+# glm_qk: GLM-4.5's q/k norms on top (after the biases, before the RoPE)
+SPEC_GLM = dict(n_vocab=384, n_embd=128, n_layer=3, n_head=6, n_head_kv=2, head_dim=32, n_ff_exp=64,
+                n_expert=8, n_expert_used=3, n_ctx=256, rope_base=10000.0, rms_eps=1e-5, n_ff=192, arch="glm4moe",
+                n_rot=16, qk_norm=False, n_expert_shared=1, n_dense_lead=1, n_nextn=1, routed_scale=2.5)
+FIXTURES_GLM = {"glm-f32": dict(qtype="f32"), "glm-q8_0": dict(qtype="q8_0"), "glm-q4_0": dict(qtype="q4_0")}
+SPEC_GLM_QK = dict(SPEC_GLM, qk_norm=True)
+FIXTURES_GLM_QK = {"glm-qk-f32": dict(qtype="f32"), "glm-qk-q8_0": dict(qtype="q8_0")}
 GROUPS = {"base": (SPEC, FIXTURES, MIN_MARGIN), "k": (SPEC_K, FIXTURES_K, MIN_MARGIN_K),
-          "k_m": (SPEC_K, FIXTURES_KM, MIN_MARGIN_K), "oss": (SPEC_OSS, FIXTURES_OSS, MIN_MARGIN)}
+          "k_m": (SPEC_K, FIXTURES_KM, MIN_MARGIN_K), "oss": (SPEC_OSS, FIXTURES_OSS, MIN_MARGIN),
+          "glm": (SPEC_GLM, FIXTURES_GLM, MIN_MARGIN_K), "glm_qk": (SPEC_GLM_QK, FIXTURES_GLM_QK, MIN_MARGIN_K)}
 
 
 def weights_sha256(path: str) -> str:
@@ -122,10 +134,18 @@ def choose_tokens(paths: dict, rng: np.random.Generator, tries: int, n_vocab: in
     for m in models:
         route = m.backend.route
 
-        def recording(logits, top_k, scale, route=route):
-            srt = -np.sort(-logits.astype(np.float64), axis=-1)
-            gaps.append(float((srt[:, top_k - 1] - srt[:, top_k]).min()))
-            return route(logits, top_k, scale)
+        def recording(logits, gating, sel_bias=None, route=route):
+            # the gap between the k-th and (k+1)-th choice keys (softmax: the logits; sigmoid:
+            # probability plus selection bias, whose gaps are at most a quarter of the logits')
+            z = logits.astype(np.float64)
+            scale = 1.0
+            if gating.func == "sigmoid":
+                z = 1.0 / (1.0 + np.exp(-z)) + (0.0 if sel_bias is None else np.asarray(sel_bias, np.float64))
+                scale = 4.0
+            srt = -np.sort(-z, axis=-1)
+            k = gating.top_k
+            gaps.append(float((srt[:, k - 1] - srt[:, k]).min()) * scale)
+            return route(logits, gating, sel_bias)
         m.backend.route = recording
         m.reset(N_TOKENS)
     tokens = []
@@ -150,6 +170,27 @@ def choose_tokens(paths: dict, rng: np.random.Generator, tries: int, n_vocab: in
     return np.asarray(tokens, dtype=np.int32)
 
 
+GLM4_TEXTS = ["Hello world's 12345 CAPS\n\n  x", "yueifa yudrcu lyt wdgeo", "Ünïcødé ✓ 中文 🙂 123456 don'T",
+              "  a\tb\r\nc   ", "yu yuk yueip yueiph ie"]
+
+
+def glm4_tokens(out: str) -> None:
+    """llama.cpp's token ids for GLM4_TEXTS under the "glm4" pre-tokenizer (its split, whole
+    pieces before merges, no BOS), on the glm-f32 fixture's vocabulary."""
+    import llama_cpp
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from conftest import rewrite
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "glm.gguf")
+        write_fixture_model(src, {"spec": SPEC_GLM, "seed": SEED, "args": FIXTURES_GLM["glm-f32"]})
+        p = rewrite(src, os.path.join(tmp, "glm4.gguf"), kv=lambda k, v, t: "glm4" if k == "tokenizer.ggml.pre" else v)
+        llm = llama_cpp.Llama(p, vocab_only=True, verbose=False)
+        ids = [llm.tokenize(t.encode(), add_bos=True, special=False) for t in GLM4_TEXTS]
+    with open(os.path.join(out, "glm4-tokens.json"), "w") as fh:
+        json.dump({"texts": GLM4_TEXTS, "ids": ids}, fh, indent=1)
+        fh.write("\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=OUT)
@@ -170,6 +211,8 @@ def main(argv=None) -> int:
         spec, fixtures, min_margin = GROUPS[group]
         if make_group(args, manifest, spec, fixtures, min_margin, llama_cpp.__version__):
             return 1
+        if group == "glm":
+            glm4_tokens(args.out)
     with open(mpath, "w") as fh:
         json.dump(manifest, fh, indent=1, sort_keys=True)
         fh.write("\n")

@@ -313,3 +313,38 @@ def mma_m16n8k16(d, a, b0, b1):
     for t in range(32):
         gr, c = t // 4, 2 * (t % 4)
         d[t] += np.array([C[gr, c], C[gr, c + 1], C[gr + 8, c], C[gr + 8, c + 1]])
+
+
+def rewrite(src, dst, tensors=None, kv=None, add=()):
+    """Copy a GGUF, letting tensors(name, array, type) -> [(name, array, type)] and
+    kv(key, value, types) -> value or None (drop) change it on the way; add: more
+    (key, value, GGUFValueType[, element type]) entries."""
+    import gguf
+    from gguf import GGUFValueType
+    r = gguf.GGUFReader(src)
+    from moeforge.runtime.gguf_file import GGUFFile
+    w = gguf.GGUFWriter(dst, arch=GGUFFile(src).architecture)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        val = GGUFFile._value(f)
+        if kv:
+            val = kv(name, val, f.types)
+            if val is None:
+                continue
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(name, val, f.types[0], sub_type=sub)
+    for key, val, vtype, *sub in add:
+        w.add_key_value(key, val, vtype, sub_type=sub[0] if sub else None)
+    for t in r.tensors:
+        items = [(t.name, np.array(t.data), t.tensor_type)]
+        if tensors:
+            items = tensors(t.name, np.array(t.data), t.tensor_type)
+        for name, arr, ty in items:
+            raw = None if ty in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else ty
+            w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -92,7 +92,8 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
     # of earlier steps, before the wait
     decode = {n for n in bodies if n.startswith("attn_decode_")}
     assert len(decode) == len(ModelSpec.DECODE_WIDTHS) + 12      # + the grouped ones (FMA and tensor cores)
-    prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route", "router_route_cluster"} | decode
+    prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route", "router_route_cluster",
+                   "router_route_keyed", "router_route_cluster_keyed"} | decode
     rows = render(spec)
     src_helper = rows[rows.index("void attn_rows("):]
     src_helper = src_helper[:src_helper.index("\n}\n")]

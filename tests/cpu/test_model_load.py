@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from conftest import rewrite  # noqa: F401 (the other tests import it from here too)
 from moeforge.runtime.gguf_file import GGUFError, GGUFFile
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_qwen3moe
@@ -12,37 +13,6 @@ def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny") / "tiny-q4_0.gguf")
     write_qwen3moe(path, preset("tiny"), "q4_0", source="float", seed=3)
     return path
-
-
-def rewrite(src, dst, tensors=None, kv=None):
-    """Copy a GGUF, letting tensors(name, array, type) -> [(name, array, type)] and
-    kv(key, value, types) -> value or None (drop) change it on the way."""
-    import gguf
-    from gguf import GGUFValueType
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(dst, arch=GGUFFile(src).architecture)
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        val = GGUFFile._value(f)
-        if kv:
-            val = kv(name, val, f.types)
-            if val is None:
-                continue
-        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(name, val, f.types[0], sub_type=sub)
-    for t in r.tensors:
-        items = [(t.name, np.array(t.data), t.tensor_type)]
-        if tensors:
-            items = tensors(t.name, np.array(t.data), t.tensor_type)
-        for name, arr, ty in items:
-            raw = None if ty in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else ty
-            w.add_tensor(name, arr, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 def test_loads_and_runs(tiny):

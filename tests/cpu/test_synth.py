@@ -76,7 +76,7 @@ def test_skewed_router_concentrates_tokens(tmp_path, qtype):
     m = load_model(path, backend="numpy")
     seen = []
     route = m.backend.route
-    m.backend.route = lambda lg, k, s: (lambda r: (seen.append(r[0]), r)[1])(route(lg, k, s))
+    m.backend.route = lambda *a: (lambda r: (seen.append(r[0]), r)[1])(route(*a))
     m.logits(np.arange(200) % 500)
     assert len(seen) == 2
     for ids in seen:   # per layer: the two hottest experts take most slots (uniform: 25%)
@@ -116,14 +116,14 @@ def logits_on_the_kernels_routes(path, toks, monkeypatch):
     their arithmetic, which is what a numerics bar is about."""
     routes, choose = [], NumpyBackend.route
 
-    def recording(self, logits, top_k, scale):
-        ids, w = choose(self, logits, top_k, scale)
+    def recording(self, logits, gating, sel_bias=None):
+        ids, w = choose(self, logits, gating, sel_bias)
         routes.append(ids)
         return ids, w
 
-    def replaying(self, logits, top_k, scale):
+    def replaying(self, logits, gating, sel_bias=None):
         ids = routes.pop(0)
-        return ids, self.route_weights(logits, ids, scale)
+        return ids, self.route_weights(logits, ids, gating)
 
     monkeypatch.setattr(NumpyBackend, "route", recording)
     emu = load_model(path, backend="numpy", numerics="kernel").logits(toks)

@@ -123,3 +123,40 @@ def test_gpt4o_vocabulary_loads(gguf_path):
     f.metadata["tokenizer.ggml.pre"] = "o200k-nope"
     with pytest.raises(GGUFError, match="gpt-4o"):
         Tokenizer.from_gguf(f)
+
+
+def test_glm4_split_and_whole_pieces(gguf_path):
+    """GLM-4's vocabulary (llama.cpp's "glm4"): Llama 3's split (digits in threes,
+    contractions in any case) and, as llama.cpp's ignore_merges, a piece the vocabulary
+    holds is one token whatever the merges say (here with none at all); no BOS."""
+    from moeforge.runtime.tokenizer import PRE_PATTERNS, Tokenizer
+    assert _pieces(PRE_PATTERNS["glm4"], "Hello WORLD'S 12345\n\n  x") == [
+        "Hello", " WORLD", "'S", " ", "123", "45", "\n\n", " ", " x"]
+    f = GGUFFile(gguf_path)
+    f.metadata["tokenizer.ggml.merges"] = []
+    f.metadata["tokenizer.ggml.bos_token_id"] = 1
+    f.metadata["tokenizer.ggml.add_bos_token"] = True
+    tokens = f.metadata["tokenizer.ggml.tokens"]
+    word = next(t for t in tokens if len(t) > 3 and t.isalpha() and t.isascii())
+    f.metadata["tokenizer.ggml.pre"] = "qwen2"
+    assert len(Tokenizer.from_gguf(f).encode(word, add_bos=False)) == len(word)    # bytes: no merges
+    f.metadata["tokenizer.ggml.pre"] = "glm4"
+    tok = Tokenizer.from_gguf(f)
+    assert tok.encode(word) == [tokens.index(word)] and tok.bos_id is None
+    for text in ("Hello world's 12345 CAPS\n\n  x", "Ünïcødé ✓ 中文 🙂 123456"):
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_glm4_matches_llama_cpp(parity_models):
+    """llama.cpp's ids (tests/fixtures/parity/glm4-tokens.json, from llama-cpp-python 0.3.36)
+    for texts on the glm-f32 fixture's vocabulary with the "glm4" pre-tokenizer."""
+    import json
+    import os
+    from conftest import PARITY_DIR
+    from moeforge.runtime.tokenizer import Tokenizer
+    with open(os.path.join(PARITY_DIR, "glm4-tokens.json")) as fh:
+        want = json.load(fh)
+    f = GGUFFile(parity_models["glm-f32"]["path"])
+    f.metadata["tokenizer.ggml.pre"] = "glm4"
+    tok = Tokenizer.from_gguf(f)
+    assert [tok.encode(t) for t in want["texts"]] == want["ids"]

@@ -67,10 +67,10 @@ def _record_router_gaps(monkeypatch):
     first near-tie came at position 3 to 150 (median ~90) on 16 seeds."""
     gaps, route = [], NumpyBackend.route
 
-    def recording(self, logits, top_k, scale):
+    def recording(self, logits, gating, sel_bias=None):
         s = -np.sort(-logits.astype(np.float64), axis=-1)
-        gaps.append(s[:, top_k - 1] - s[:, top_k])
-        return route(self, logits, top_k, scale)
+        gaps.append(s[:, gating.top_k - 1] - s[:, gating.top_k])
+        return route(self, logits, gating, sel_bias)
 
     monkeypatch.setattr(NumpyBackend, "route", recording)
     return gaps

@@ -174,13 +174,13 @@ def _emulation_on_routes(path, toks, routes, stepwise, monkeypatch):
     from moeforge.runtime.backend_numpy import NumpyBackend
     routes, choose, swaps = list(routes), NumpyBackend.route, []
 
-    def replaying(self, logits, top_k, scale):
-        ids = routes.pop(0)
-        own, _ = choose(self, logits, top_k, scale)
+    def replaying(self, logits, gating, sel_bias=None):
+        ids, top_k = routes.pop(0), gating.top_k
+        own, _ = choose(self, logits, gating, sel_bias)
         s = -np.sort(-logits.astype(np.float64), axis=-1)
         differ = (np.sort(own, axis=-1) != np.sort(ids, axis=-1)).any(axis=-1)
         swaps.extend((s[differ, top_k - 1] - s[differ, top_k]) / np.abs(s[differ]).max(axis=-1))
-        return ids, self.route_weights(logits, ids, scale)
+        return ids, self.route_weights(logits, ids, gating)
     monkeypatch.setattr(NumpyBackend, "route", replaying)
     emu = load_model(path, backend="numpy", numerics="kernel")
     emu.reset(len(toks))

@@ -200,25 +200,43 @@ def test_bench_command_runs(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("E,top_k,scale", [(128, 8, 1.0), (60, 4, 2.5), (512, 10, 0.0), (8, 1, 1.0)])
-def test_route_matches_numpy(parity_models, E, top_k, scale):
+@pytest.mark.parametrize("func,norm,shared,biased", [("softmax", True, 0, False), ("sigmoid", True, 1, True),
+                                                     ("sigmoid", False, 0, False), ("softmax", True, 2, True)])
+def test_route_matches_numpy(parity_models, E, top_k, scale, func, norm, shared, biased):
     """The warp-per-token router against the numpy one: the same experts in the same
     order (logits spread apart so float32 softmax rounding cannot reorder them), weights
-    to float32 accuracy; ties go to the lower index."""
+    to float32 accuracy; ties go to the lower index. Also sigmoid probabilities, with a
+    selection bias (it picks, the weights stay the probabilities), without renormalising,
+    and shared experts appended as slots E.. of weight 1 (runtime.arch.Gating)."""
     import cupy as cp
+    from moeforge.runtime.arch import Gating
     m = load_model(parity_models["q4_0"]["path"], backend="cuda")
     rng = np.random.default_rng()
     n = 37
     logits = rng.permuted(np.tile(np.arange(E, dtype=np.float32) * 0.05, (n, 1)), axis=1) + rng.normal(0, 1, (n, 1)).astype(np.float32)
+    if func == "sigmoid":     # keys in sigmoid's steep part, apart by more than its rounding
+        logits = rng.permuted(np.tile(np.linspace(-3, 3, E, dtype=np.float32), (n, 1)), axis=1)
     logits[0, :] = 0.25                                      # all tied: experts 0..top_k-1
     logits[1, :] = np.where(rng.random(E) < 0.5, np.float32(-0.0), np.float32(0.0))   # +0 and -0 tie
     logits[1, rng.choice(E, min(E, 3), replace=False)] = 1.5
     logits[2, :] = -3.0                                      # negative ties, one above them
     logits[2, E // 2] = -2.0
-    ids, wts = m.backend.route(cp.asarray(logits), top_k, scale)
+    gating = Gating(top_k, func, norm, scale, shared)
+    # a bias of whole multiples of 2^-10 moves keys without making new near-ties
+    bias = (rng.integers(-64, 64, E) / 1024).astype(np.float32) if biased else None
+    if biased:
+        bias[:] = 0.0 if func == "softmax" else bias          # softmax keys are all < 1/E: keep them ordered
+        bias[E // 2] = 2.0                                    # past every other key (< 1.07): it always wins
+    ids, wts = m.backend.route(cp.asarray(logits), gating, None if bias is None else cp.asarray(bias))
     from moeforge.runtime.backend_numpy import NumpyBackend
-    want_ids, want_w = NumpyBackend(m.hp).route(logits, top_k, scale)
+    want_ids, want_w = NumpyBackend(m.hp).route(logits, gating, bias)
+    assert ids.shape == (n, top_k + shared)
     np.testing.assert_array_equal(ids.get(), want_ids)
-    assert list(ids.get()[0]) == list(range(top_k))
+    if not biased:
+        assert list(ids.get()[0][:top_k]) == list(range(top_k))
+    else:
+        assert (ids.get()[:, 0] == E // 2).all()
+    assert (ids.get()[:, top_k:] == np.arange(E, E + shared)).all() and (wts.get()[:, top_k:] == 1.0).all()
     np.testing.assert_allclose(wts.get(), want_w, rtol=1e-5, atol=1e-7)
 
 
@@ -302,12 +320,14 @@ def test_stacked_qkv_equals_three_products(parity_models, monkeypatch):
 
 @pytest.mark.parametrize("cluster", [False, True])
 @pytest.mark.parametrize("n", [1, 5, 8])
-def test_router_and_routing_in_one_launch(parity_models, n, cluster):
+@pytest.mark.parametrize("glm", [False, True])
+def test_router_and_routing_in_one_launch(parity_models, n, cluster, glm):
     """route_tokens (the last block routes every token, or the cluster's first block its
     token: sm_90) against the product then the routing kernel: the same logits sum order,
     so the same bits; three calls in a row check that the launch resets its counter for
-    the next one."""
+    the next one. glm: sigmoid probabilities, a selection bias, unnormalised, a shared slot."""
     import cupy as cp
+    from moeforge.runtime.arch import Gating
     from moeforge.runtime.backend import Backend
     m = load_model(parity_models["q4_0"]["path"], backend="cuda")
     B, hp, L = m.backend, m.hp, m.weights.layers[-1]
@@ -316,11 +336,13 @@ def test_router_and_routing_in_one_launch(parity_models, n, cluster):
         pytest.skip("thread block clusters need sm_90")
     assert L.router.f is not None, "the fixture's router should be float32"
     rng = np.random.default_rng()
+    gating = Gating(hp.n_expert_used, "sigmoid", False, 2.5, 1) if glm else Gating(hp.n_expert_used, scale=1.0)
+    sel = cp.asarray((0.1 * rng.standard_normal(hp.n_expert)).astype(np.float32)) if glm else None
     for _ in range(3):
         with B.context():       # on the backend's stream: it does not wait for the default one
             h = cp.asarray(rng.standard_normal((n, hp.n_embd)).astype(np.float32))
-            ia, wa = (a.copy() for a in B.route_tokens(L.router, h, hp.n_expert_used, 1.0))
-            ib, wb = (a.copy() for a in Backend.route_tokens(B, L.router, h, hp.n_expert_used, 1.0))
+            ia, wa = (a.copy() for a in B.route_tokens(L.router, h, gating, sel_bias=sel))
+            ib, wb = (a.copy() for a in Backend.route_tokens(B, L.router, h, gating, sel_bias=sel))
             B.synchronize()
         np.testing.assert_array_equal(ia.get(), ib.get())
         np.testing.assert_array_equal(wa.get(), wb.get())
@@ -334,6 +356,7 @@ def test_router_cluster_at_model_sizes(E, k, top_k):
     against the last-block kernel, bit for bit, and the logits against float64."""
     import cupy as cp
     from types import SimpleNamespace
+    from moeforge.runtime.arch import Gating
 
     from moeforge.runtime.backend_cuda import CudaBackend
     B = CudaBackend(_hp_for_router(E, top_k))
@@ -350,7 +373,7 @@ def test_router_cluster_at_model_sizes(E, k, top_k):
             B.router_cluster = cluster
             with B.context():
                 B.ws("router", (n, E)).fill(cp.nan)
-                ids, wts = B.route_tokens(router, cp.asarray(x), top_k, 1.0)
+                ids, wts = B.route_tokens(router, cp.asarray(x), Gating(top_k, scale=1.0))
                 got.append((ids.get(), wts.get(), B.ws("router", (n, E)).get()))
         for a, b in zip(*got):
             np.testing.assert_array_equal(a, b)
