@@ -160,3 +160,19 @@ def test_shared_expert_apart_on_the_gpu(parity_models, tmp_path):
     got = np.concatenate([m.eval(fx["tokens"][:40]), *(m.eval([t]) for t in fx["tokens"][40:])])
     assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
     assert kl_per_token(fx["logits"], got).mean() < 1e-3
+
+
+def test_down_and_combine_fused_changes_no_bit(parity_models):
+    """The decode down product adding its weighted sum to the residual itself at 4 slots a
+    token (the fixture's 3 experts and the shared one) against the product and
+    moe_combine_rms_norm apart: the same logits, bit for bit, at every step."""
+    fx = parity_models["glm-q4_0"]
+    toks = fx["tokens"][:16]
+    outs = []
+    for fused in (True, False):
+        m = load_model(fx["path"], backend="cuda")
+        m.backend.fuse_down_combine = fused
+        m.reset(len(toks))
+        outs.append(np.concatenate([m.eval([t]) for t in toks]))
+        assert m.backend.graphs.captured("decode") and np.isfinite(outs[-1]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
