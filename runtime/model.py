@@ -286,7 +286,7 @@ class Model:
         return (f"{self.arch} {os.path.basename(self.path)}: {self.hp.n_layer} layers, d={self.hp.n_embd}, "
                 f"{self.hp.n_expert} experts (top {self.hp.n_expert_used}"
                 + (f", {self.hp.shared_slots} shared" if self.hp.shared_slots else "")
-                + (f"; {self.hp.n_dense_lead} dense layers first" if self.hp.n_dense_lead else "")
+                + (f"; the first {self.hp.n_dense_lead} dense" if self.hp.n_dense_lead else "")
                 + f"), vocab {self.hp.n_vocab}, "
                 f"{self.n_params / 1e9:.2f} B params, {self.n_bytes / 2**30:.2f} GiB, backend {self.backend.name}, "
                 f"{self.backend.cache_type} KV cache of {self.cache.n_ctx} positions, "

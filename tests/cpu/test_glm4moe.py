@@ -179,3 +179,18 @@ def test_glm_air_preset_is_glm_air_sized():
         n for n, _, _ in tensor_plan(preset("glm-4.5"), "q4_0")}
     params = sum(int(np.prod(s)) for _, s, _ in plan)
     assert 105e9 < params < 112e9, params
+
+
+def test_tune_model_products_are_the_runtimes(parity_models):
+    """`moeforge tune --model` tunes what the runtime asks for: the routed experts with the
+    shared one riding (E + 1 experts, top_k + 1 slots), the dense layer as one expert, and
+    nothing of the prediction block."""
+    from moeforge.tuning.shapes import model_products
+    fx = parity_models["glm-q4_0"]
+    m = load_model(fx["path"], backend="numpy")
+    want = set()
+    for L in m.weights.layers:
+        slots = 1 if L.router is None else m.hp.gating.slots
+        E, rows, d = L.gate_up.shape
+        want |= {((E, slots, rows, d), L.gate_up.qtype), ((E, slots, d, L.down.shape[2]), L.down.qtype)}
+    assert set(model_products(fx["path"])) == want and len(want) == 4
