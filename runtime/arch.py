@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .convert import converted, converted_types
-from .gguf_file import Expect, GGUFFile, TensorRef, check_tensors
+from .gguf_file import Expect, GGUFError, GGUFFile, TensorRef, check_tensors
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,40 @@ class HParams:
     @property
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim
+
+
+def common_hparams(f: GGUFFile, arch: str, more: tuple[str, ...] = ()) -> dict:
+    """What every architecture's loader reads and checks alike: the file's architecture,
+    the positive integers (and `more` of them, returned too), whole groups of query heads,
+    top_k within the experts, equal even key and value widths, the embedding matrix. The
+    HParams fields they give, keyed by their names, and `more` by their keys."""
+    if f.architecture != arch:
+        raise GGUFError(f"{f.path}: general.architecture is {f.architecture!r}, expected {arch!r}")
+    a = arch
+    keys = ("embedding_length", "block_count", "attention.head_count", "attention.head_count_kv", "expert_count",
+            "expert_used_count") + more
+    vals = {key: f.get(f"{a}.{key}", required=True, kind=int) for key in keys}
+    for key, v in vals.items():
+        if v <= 0:
+            raise GGUFError(f"{f.path}: metadata key {a}.{key} must be positive, got {v}")
+    n_head, n_head_kv = vals["attention.head_count"], vals["attention.head_count_kv"]
+    n_expert, n_used = vals["expert_count"], vals["expert_used_count"]
+    if n_head % n_head_kv:
+        raise GGUFError(f"{f.path}: {a}.attention.head_count ({n_head}) is not a multiple of "
+                        f"head_count_kv ({n_head_kv})")
+    if n_used > n_expert:
+        raise GGUFError(f"{f.path}: {a}.expert_used_count ({n_used}) exceeds expert_count ({n_expert})")
+    n_embd = vals["embedding_length"]
+    head_dim = f.get(f"{a}.attention.key_length", n_embd // n_head, kind=int)
+    v_dim = f.get(f"{a}.attention.value_length", head_dim, kind=int)
+    if v_dim != head_dim or head_dim % 2:
+        raise GGUFError(f"{f.path}: {a}.attention.key_length ({head_dim}) and value_length ({v_dim}) must be "
+                        f"equal and even")
+    tok = f.tensors.get("token_embd.weight")
+    if tok is None or len(tok.shape) != 2:
+        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing or not a matrix")
+    return dict(n_vocab=tok.shape[0], n_embd=n_embd, n_layer=vals["block_count"], n_head=n_head, n_head_kv=n_head_kv,
+                head_dim=head_dim, n_expert=n_expert, n_expert_used=n_used, **{k: vals[k] for k in more})
 
 
 def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:

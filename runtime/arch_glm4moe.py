@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .arch import HParams, LayerRefs, ModelRefs, append_shared, as_one_expert, open_layers, pick_gate_up
+from .arch import (HParams, LayerRefs, ModelRefs, append_shared, as_one_expert, common_hparams, open_layers,
+                   pick_gate_up)
 from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "glm4moe"
@@ -33,32 +34,13 @@ GATING_FUNCS = {1: "softmax", 2: "sigmoid"}   # llama.cpp's LLAMA_EXPERT_GATING_
 def read_hparams(f: GGUFFile) -> tuple[HParams, int]:
     """The hyperparameters and the number of blocks in the file (the trunk's and the
     prediction head's)."""
-    if f.architecture != ARCH:
-        raise GGUFError(f"{f.path}: general.architecture is {f.architecture!r}, expected {ARCH!r}")
     a = ARCH
-    need = lambda key: f.get(f"{a}.{key}", required=True, kind=int)  # noqa: E731
-    vals = {key: need(key) for key in ("embedding_length", "block_count", "attention.head_count",
-                                       "attention.head_count_kv", "expert_count", "expert_used_count")}
-    for key, v in vals.items():
-        if v <= 0:
-            raise GGUFError(f"{f.path}: metadata key {a}.{key} must be positive, got {v}")
-    n_embd, n_blocks = vals["embedding_length"], vals["block_count"]
-    n_head, n_head_kv = vals["attention.head_count"], vals["attention.head_count_kv"]
-    n_expert, n_used = vals["expert_count"], vals["expert_used_count"]
-    if n_head % n_head_kv:
-        raise GGUFError(f"{f.path}: {a}.attention.head_count ({n_head}) is not a multiple of "
-                        f"head_count_kv ({n_head_kv})")
-    if n_used > n_expert:
-        raise GGUFError(f"{f.path}: {a}.expert_used_count ({n_used}) exceeds expert_count ({n_expert})")
+    c = common_hparams(f, a)
+    n_blocks, head_dim, n_used = c["n_layer"], c["head_dim"], c["n_expert_used"]
     nextn = f.get(f"{a}.nextn_predict_layers", 0, kind=int)
     if nextn >= n_blocks:
         raise GGUFError(f"{f.path}: {a}.nextn_predict_layers ({nextn}) leaves no layer of the "
                         f"{n_blocks} blocks to run")
-    head_dim = f.get(f"{a}.attention.key_length", n_embd // n_head, kind=int)
-    v_dim = f.get(f"{a}.attention.value_length", head_dim, kind=int)
-    if v_dim != head_dim or head_dim % 2:
-        raise GGUFError(f"{f.path}: {a}.attention.key_length ({head_dim}) and value_length ({v_dim}) must be "
-                        f"equal and even")
     n_rot = f.get(f"{a}.rope.dimension_count", head_dim, kind=int)
     if n_rot % 2 or not 0 < n_rot <= head_dim:
         raise GGUFError(f"{f.path}: {a}.rope.dimension_count ({n_rot}) must be even and in (0, {head_dim}]")
@@ -91,12 +73,9 @@ def read_hparams(f: GGUFFile) -> tuple[HParams, int]:
     norm = f.get(f"{a}.expert_weights_norm", False)
     if not isinstance(norm, bool):
         raise GGUFError(f"{f.path}: {a}.expert_weights_norm must be a boolean, got {norm!r}")
-    tok = f.tensors.get("token_embd.weight")
-    if tok is None or len(tok.shape) != 2:
-        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing or not a matrix")
+    c["n_layer"] = n_blocks - nextn
     hp = HParams(
-        n_vocab=tok.shape[0], n_embd=n_embd, n_layer=n_blocks - nextn, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, n_ff_exp=n_ff_exp, n_expert=n_expert, n_expert_used=n_used,
+        **c, n_ff_exp=n_ff_exp,
         rms_eps=f.get(f"{a}.attention.layer_norm_rms_epsilon", required=True, kind=float),
         rope_base=f.get(f"{a}.rope.freq_base", 10000.0, kind=float),
         n_ctx_train=f.get(f"{a}.context_length", 4096, kind=int),

@@ -12,7 +12,7 @@ chosen); the experts use SwiGLU-OAI (runtime.arch.HParams.expert_act).
 """
 from __future__ import annotations
 
-from .arch import HParams, LayerRefs, ModelRefs, YaRN, open_layers
+from .arch import HParams, LayerRefs, ModelRefs, YaRN, common_hparams, open_layers
 from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "gpt-oss"
@@ -22,29 +22,8 @@ SWA_PATTERN = 2        # llama.cpp: layers 0, 2, 4, ... slide, 1, 3, 5, ... see 
 
 
 def read_hparams(f: GGUFFile) -> HParams:
-    if f.architecture != ARCH:
-        raise GGUFError(f"{f.path}: general.architecture is {f.architecture!r}, expected {ARCH!r}")
     a = ARCH
-    need = lambda key: f.get(f"{a}.{key}", required=True, kind=int)  # noqa: E731
-    vals = {key: need(key) for key in ("embedding_length", "block_count", "attention.head_count",
-                                       "attention.head_count_kv", "expert_count", "expert_used_count",
-                                       "expert_feed_forward_length")}
-    for key, v in vals.items():
-        if v <= 0:
-            raise GGUFError(f"{f.path}: metadata key {a}.{key} must be positive, got {v}")
-    n_head, n_head_kv = vals["attention.head_count"], vals["attention.head_count_kv"]
-    n_expert, n_used = vals["expert_count"], vals["expert_used_count"]
-    if n_head % n_head_kv:
-        raise GGUFError(f"{f.path}: {a}.attention.head_count ({n_head}) is not a multiple of "
-                        f"head_count_kv ({n_head_kv})")
-    if n_used > n_expert:
-        raise GGUFError(f"{f.path}: {a}.expert_used_count ({n_used}) exceeds expert_count ({n_expert})")
-    n_embd = vals["embedding_length"]
-    head_dim = f.get(f"{a}.attention.key_length", n_embd // n_head, kind=int)
-    v_dim = f.get(f"{a}.attention.value_length", head_dim, kind=int)
-    if v_dim != head_dim or head_dim % 2:
-        raise GGUFError(f"{f.path}: {a}.attention.key_length ({head_dim}) and value_length ({v_dim}) must be "
-                        f"equal and even")
+    c = common_hparams(f, a, ("expert_feed_forward_length",))
     n_swa = f.get(f"{a}.attention.sliding_window", required=True, kind=int)
     if n_swa < 1:
         raise GGUFError(f"{f.path}: {a}.attention.sliding_window must be positive, got {n_swa}")
@@ -62,12 +41,9 @@ def read_hparams(f: GGUFFile) -> HParams:
         yarn = YaRN(freq_scale=1.0 / factor, ext_factor=1.0 if scaling == "yarn" else 0.0,
                     n_ctx_orig=f.get(f"{a}.rope.scaling.original_context_length", n_ctx_train, kind=int),
                     attn_factor=f.get(f"{a}.rope.scaling.attn_factor", 1.0, kind=float))
-    tok = f.tensors.get("token_embd.weight")
-    if tok is None or len(tok.shape) != 2:
-        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing or not a matrix")
+    n_ff = c.pop("expert_feed_forward_length")
     return HParams(
-        n_vocab=tok.shape[0], n_embd=n_embd, n_layer=vals["block_count"], n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, n_ff_exp=vals["expert_feed_forward_length"], n_expert=n_expert, n_expert_used=n_used,
+        **c, n_ff_exp=n_ff,
         rms_eps=f.get(f"{a}.attention.layer_norm_rms_epsilon", required=True, kind=float),
         rope_base=f.get(f"{a}.rope.freq_base", 10000.0, kind=float), n_ctx_train=n_ctx_train,
         yarn=yarn, n_swa=n_swa, swa_pattern=SWA_PATTERN, expert_act="swiglu_oai")

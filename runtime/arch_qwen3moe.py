@@ -7,7 +7,7 @@ file from `moeforge synth` load alike.
 """
 from __future__ import annotations
 
-from .arch import HParams, LayerRefs, ModelRefs, open_layers
+from .arch import HParams, LayerRefs, ModelRefs, common_hparams, open_layers
 from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "qwen3moe"
@@ -16,40 +16,17 @@ ROUTER_TYPES = ("f32", "f16")
 
 
 def read_hparams(f: GGUFFile) -> HParams:
-    if f.architecture != ARCH:
-        raise GGUFError(f"{f.path}: general.architecture is {f.architecture!r}, expected {ARCH!r}")
     a = ARCH
-    need = lambda key: f.get(f"{a}.{key}", required=True, kind=int)  # noqa: E731
-    n_embd, n_layer = need("embedding_length"), need("block_count")
-    n_head, n_head_kv = need("attention.head_count"), need("attention.head_count_kv")
-    n_expert, n_used = need("expert_count"), need("expert_used_count")
-    for key, v in (("embedding_length", n_embd), ("block_count", n_layer), ("attention.head_count", n_head),
-                   ("attention.head_count_kv", n_head_kv), ("expert_count", n_expert),
-                   ("expert_used_count", n_used)):
-        if v <= 0:
-            raise GGUFError(f"{f.path}: metadata key {a}.{key} must be positive, got {v}")
-    if n_head % n_head_kv:
-        raise GGUFError(f"{f.path}: {a}.attention.head_count ({n_head}) is not a multiple of "
-                        f"head_count_kv ({n_head_kv})")
-    if n_used > n_expert:
-        raise GGUFError(f"{f.path}: {a}.expert_used_count ({n_used}) exceeds expert_count ({n_expert})")
-    head_dim = f.get(f"{a}.attention.key_length", n_embd // n_head, kind=int)
-    v_dim = f.get(f"{a}.attention.value_length", head_dim, kind=int)
-    if v_dim != head_dim or head_dim % 2:
-        raise GGUFError(f"{f.path}: {a}.attention.key_length ({head_dim}) and value_length ({v_dim}) must be "
-                        f"equal and even")
+    c = common_hparams(f, a)
+    head_dim = c["head_dim"]
     rot = f.get(f"{a}.rope.dimension_count", head_dim, kind=int)
     if rot != head_dim:
         raise GGUFError(f"{f.path}: {a}.rope.dimension_count ({rot}) must equal the head size ({head_dim})")
     n_ff = f.get(f"{a}.expert_feed_forward_length", None, kind=int)
     if n_ff is None:  # llama.cpp's fallback for files without the expert key
-        n_ff = f.get(f"{a}.feed_forward_length", required=True, kind=int) // n_used
-    tok = f.tensors.get("token_embd.weight")
-    if tok is None or len(tok.shape) != 2:
-        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing or not a matrix")
+        n_ff = f.get(f"{a}.feed_forward_length", required=True, kind=int) // c["n_expert_used"]
     return HParams(
-        n_vocab=tok.shape[0], n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, n_ff_exp=n_ff, n_expert=n_expert, n_expert_used=n_used,
+        **c, n_ff_exp=n_ff,
         rms_eps=f.get(f"{a}.attention.layer_norm_rms_epsilon", required=True, kind=float),
         rope_base=f.get(f"{a}.rope.freq_base", 10000.0, kind=float),
         n_ctx_train=f.get(f"{a}.context_length", 4096, kind=int),
