@@ -203,10 +203,11 @@ class Model:
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """The tokens that end a generation, from the GGUF metadata (end of sequence, end of
-        turn), as llama.cpp stops on them. gpt-oss's harmony vocabulary (it has <|return|> and
+        turn, end of message: GLM's <|observation|>, where a tool's answer would follow), as
+        llama.cpp stops on them. gpt-oss's harmony vocabulary (it has <|return|> and
         <|call|>): a reply ends with one of those two, and <|end|>, which only closes a
         message (the reasoning before the final answer), is not one (llama.cpp's rule)."""
-        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         found = [int(v) for v in (self.file.get(k, kind=int) for k in keys) if v is not None]
         tokens = self._token_strings()
         if tokens and "<|return|>" in tokens and "<|call|>" in tokens:

@@ -194,3 +194,16 @@ def test_tune_model_products_are_the_runtimes(parity_models):
         E, rows, d = L.gate_up.shape
         want |= {((E, slots, rows, d), L.gate_up.qtype), ((E, slots, d, L.down.shape[2]), L.down.qtype)}
     assert set(model_products(fx["path"])) == want and len(want) == 4
+
+
+def test_end_of_message_ends_a_generation(parity_models):
+    """GLM's files name <|endoftext|> the end of sequence, <|user|> the end of turn and
+    <|observation|> the end of message (a tool's answer would follow): all three stop a
+    generation, as in llama.cpp."""
+    m = load_model(parity_models["glm-f32"]["path"], backend="numpy")
+    md = m.file.metadata
+    md["tokenizer.ggml.eos_token_id"], md["tokenizer.ggml.eot_token_id"] = 5, 6
+    md["tokenizer.ggml.eom_token_id"] = 7
+    assert set(m.eos_ids) == {5, 6, 7}
+    del md["tokenizer.ggml.eom_token_id"]
+    assert set(m.eos_ids) == {5, 6}
