@@ -225,7 +225,8 @@ class Model:
     @property
     def tool_call_format(self) -> str | None:
         """How a chat reply writes tool calls, from the vocabulary: "hermes" (<tool_call>
-        blocks), "harmony" (gpt-oss's messages to functions.NAME) or None (runtime.tool_calls)."""
+        blocks of JSON), "glm" (<tool_call> blocks of a name and <arg_key>/<arg_value> pairs),
+        "harmony" (gpt-oss's messages to functions.NAME) or None (runtime.tool_calls)."""
         from .tool_calls import format_of
         return format_of(self._token_strings() or ())
 

@@ -1,10 +1,13 @@
 """Tool calls in a chat reply, handed out as OpenAI's API does (`tool_calls`, each a function
-name and its arguments as a JSON string), for the two formats model files write:
+name and its arguments as a JSON string), for the formats model files write:
   "hermes"   <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks in the answer
              (Qwen3, Qwen2.5, Hermes; the vocabulary holds both markers).
+  "glm"      <tool_call>NAME then <arg_key>K</arg_key><arg_value>V</arg_value> pairs and
+             </tool_call> (GLM-4.5, GLM-4.6: the vocabulary also holds the arg markers); a
+             value that is JSON (a number, a list, ...) is taken as such, else as a string.
   "harmony"  gpt-oss: a message whose header names a recipient ("to=functions.NAME"), its
              body the arguments, ended by <|call|> (runtime.reasoning reads the headers).
-`ReplyParts` runs a reply through the reasoning split and then through the hermes blocks, as
+`ReplyParts` runs a reply through the reasoning split and then through the call blocks, as
 the text streams in: pieces of reasoning and of content as they come, each call whole once
 its block ends. A block that does not parse (not JSON, no name) stays content, as vLLM's
 parsers leave it: nothing the model wrote is lost.
@@ -12,18 +15,22 @@ parsers leave it: nothing the model wrote is lost.
 from __future__ import annotations
 
 import json
+import re
 
 from .reasoning import ReasoningSplit, held_back
 
-FORMATS = ("hermes", "harmony")
+FORMATS = ("hermes", "harmony", "glm")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 def format_of(vocab) -> str | None:
-    """The tool-call format of a vocabulary (token strings), None where it has neither."""
+    """The tool-call format of a vocabulary (token strings), None where it has none."""
     tokens = set(vocab)
     if {"<|channel|>", "<|message|>", "<|call|>"} <= tokens:
         return "harmony"
+    if {OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"} <= tokens:
+        return "glm"
     if {OPEN, CLOSE} <= tokens:
         return "hermes"
     return None
@@ -41,12 +48,38 @@ def hermes_call(block: str) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
+def glm_call(block: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a GLM <tool_call> block's inside, None where it is no call:
+    a name, then only argument pairs."""
+    i = block.find("<arg_key>")
+    name, rest = (block, "") if i < 0 else (block[:i], block[i:])
+    name = name.strip()
+    if not name or any(c.isspace() for c in name):
+        return None
+    args, at = {}, 0
+    for m in GLM_ARG.finditer(rest):
+        if m.start() != at:
+            return None
+        args[m.group(1).strip()], at = _glm_value(m.group(2)), m.end()
+    if rest[at:].strip():
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def _glm_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 class HermesCalls:
     """add(text) / flush() -> [(kind, value)]: ("content", text) around the blocks, ("call",
-    (name, arguments)) for each block once it closes."""
+    (name, arguments)) for each block once it closes. parse: a block's inside -> the call
+    or None (hermes_call; glm_call for GLM's blocks)."""
 
-    def __init__(self):
-        self.buf, self.inside = "", False
+    def __init__(self, parse=hermes_call):
+        self.buf, self.inside, self.parse = "", False, parse
 
     def add(self, text: str) -> list:
         self.buf += text
@@ -71,11 +104,11 @@ class HermesCalls:
                 j = self.buf.find(CLOSE)
                 if j < 0:
                     if final:     # the reply ended inside a block: a call if it parses
-                        call = hermes_call(self.buf.strip())
+                        call = self.parse(self.buf.strip())
                         out.append(("call", call) if call else ("content", OPEN + self.buf))
                         self.buf = ""
                     break
-                call = hermes_call(self.buf[:j].strip())
+                call = self.parse(self.buf[:j].strip())
                 out.append(("call", call) if call else ("content", OPEN + self.buf[:j + len(CLOSE)]))
                 self.buf, self.inside = self.buf[j + len(CLOSE):], False
         return [(k, v) for k, v in out if v]
@@ -91,7 +124,7 @@ class ReplyParts:
         if calls == "harmony" and reasoning != "harmony":
             raise ValueError("harmony tool calls are read with the harmony reasoning split")
         self.split = ReasoningSplit(reasoning, prompt_tail, calls=calls == "harmony") if reasoning else None
-        self.hermes = HermesCalls() if calls == "hermes" else None
+        self.hermes = {"hermes": HermesCalls, "glm": lambda: HermesCalls(glm_call)}.get(calls, lambda: None)()
 
     def add(self, text: str) -> list:
         return self._calls(self.split.add(text) if self.split else [("content", text)], final=False)

@@ -13,6 +13,10 @@ from moeforge.runtime.tool_calls import ReplyParts, format_of, whole
 
 HERMES = ('<think>\nWhich city?\n</think>\n\nLet me look.\n<tool_call>\n{"name": "weather", "arguments": '
           '{"city": "Zürich", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>')
+GLM = ('<think>Which city?</think>Let me look.\n<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Zürich'
+       '</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>units</arg_key>\n<arg_value>["C"]'
+       '</arg_value>\n<arg_key>note</arg_key>\n<arg_value>not {json</arg_value>\n</tool_call><tool_call>time</tool_call>')
+GLM_SHORT = '<think>Hm.</think>Ok.<tool_call>w\n<arg_key>c</arg_key><arg_value>Zug</arg_value></tool_call><tool_call>t</tool_call>'
 HARMONY = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
            'to=functions.weather <|constrain|>json<|message|>{"city": "Zürich"}<|call|>')
 CASES = [
@@ -32,6 +36,15 @@ CASES = [
     (None, "hermes", "no calls, <tool_ but a near miss", "", ("", "no calls, <tool_ but a near miss", [])),
     # no tool format: the text as it is
     ("think", None, HERMES, "", ("Which city?", HERMES[HERMES.index("Let"):], [])),
+    # GLM: a name, then key/value pairs; JSON values as such, the others as strings
+    ("think", "glm", GLM, "", ("Which city?", "Let me look.\n", [
+        ("weather", '{"city": "Zürich", "days": 2, "units": ["C"], "note": "not {json"}'), ("time", "{}")])),
+    # not a call: a name with a space, text between the pairs; a block the reply ends inside parses
+    (None, "glm", "<tool_call>two words</tool_call><tool_call>f<arg_key>a</arg_key>x<arg_value>1</arg_value>"
+     "</tool_call>", "", ("", "<tool_call>two words</tool_call><tool_call>f<arg_key>a</arg_key>x<arg_value>1"
+                         "</arg_value></tool_call>", [])),
+    (None, "glm", "ok <tool_call>f\n<arg_key>q</arg_key>\n<arg_value>true</arg_value>", "",
+     ("", "ok ", [("f", '{"q": true}')])),
 ]
 
 
@@ -49,6 +62,7 @@ def test_calls_whole_and_streamed(reasoning, calls, text, tail, want, rng):
 def test_formats_from_the_vocabulary_and_bad_combinations():
     assert format_of(["<|channel|>", "<|message|>", "<|call|>", "<|end|>"]) == "harmony"
     assert format_of(["<tool_call>", "</tool_call>", "<think>"]) == "hermes"
+    assert format_of(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]) == "glm"
     assert format_of(["<tool_call>", "a"]) is None
     with pytest.raises(ValueError, match="tool-call format"):
         ReplyParts("think", "json")
@@ -104,7 +118,8 @@ def _serve(model, reasoning, calls):
     return srv, f"http://127.0.0.1:{srv.server_address[1]}"
 
 
-@pytest.mark.parametrize("reasoning,calls,text", [("think", "hermes", HERMES), ("harmony", "harmony", HARMONY)])
+@pytest.mark.parametrize("reasoning,calls,text", [("think", "hermes", HERMES), ("harmony", "harmony", HARMONY),
+                                                  ("think", "glm", GLM_SHORT)])
 def test_server_returns_tool_calls_whole_and_streamed(scripted, monkeypatch, reasoning, calls, text):
     from test_serve import _call, _events
     seen = []
