@@ -151,19 +151,29 @@ def _check_biases(f: GGUFFile, hp: HParams) -> None:
             raise GGUFError(f"{f.path}: layer {i} has a norm for one of q and k but not the other")
 
 
+def shared_rides(types: dict[str, str], layers: range) -> bool:
+    """Whether the shared expert joins the routed ones (Gating.shared is the model's, so in
+    every one of `layers` or in none): each of its gate, up and down has the type of the
+    routed tensor it joins, and gate and up are separate (a file's merged ffn_gate_up_exps
+    has no gate rows to append to). types: tensor name -> type (the loader's, the tuner's)."""
+    for i in layers:
+        b = f"blk.{i}."
+        if b + "ffn_gate_up_exps.weight" in types:
+            return False
+        for p in ("gate", "up", "down"):
+            s, e = types.get(f"{b}ffn_{p}_shexp.weight"), types.get(f"{b}ffn_{p}_exps.weight")
+            if s is not None and e is not None and s != e:
+                return False
+    return True
+
+
 def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""
     hp, n_blocks = read_hparams(f)
     expected = expected_tensors(hp, n_blocks, f)
     _check_biases(f, hp)
-    # the shared expert joins the routed ones where its types are theirs, in every layer
-    # (Gating.shared is the model's); else each layer keeps it apart
-    kinds = ("gate", "up", "down")
-    ride = hp.shared_slots > 0 and all(
-        f.tensors[f"blk.{i}.ffn_{p}_shexp.weight"].qtype == f.tensors[f"blk.{i}.ffn_{p}_exps.weight"].qtype
-        for i in range(hp.n_dense_lead, hp.n_layer) for p in kinds
-        if f"blk.{i}.ffn_{p}_exps.weight" in f.tensors and f"blk.{i}.ffn_{p}_shexp.weight" in f.tensors)
-    ride = ride and not any(f"blk.{i}.ffn_gate_up_exps.weight" in f.tensors for i in range(hp.n_layer))
+    ride = hp.shared_slots > 0 and shared_rides({n: t.qtype for n, t in f.tensors.items()},
+                                                 range(hp.n_dense_lead, hp.n_layer))
     apart = hp.shared_slots > 0 and not ride
     run_hp = replace(hp, shared_slots=hp.shared_slots if ride else 0)
 

@@ -69,8 +69,7 @@ def prompt_bytes_per_token(hp: HParams, scores_ctx: int = 0) -> int:
     H200: Qwen3-30B-A3B 315-341 KB, gpt-oss-20b 460 KB; this gives 344 and 530 KB).
     scores_ctx: the context whose attention scores a pass holds (cuBLAS's path), else 0.
     The expert term counts every slot (glm4moe's shared one too) and a dense layer's FFN."""
-    slots = hp.n_expert_used + getattr(hp, "shared_slots", 0)    # (tests pass a SynthSpec)
-    ffn = max(slots * hp.n_ff_exp, hp.n_ff if hp.n_dense_lead else 0)
+    ffn = max(hp.gating.slots * hp.n_ff_exp, hp.n_ff if hp.n_dense_lead else 0)
     return 4 * (30 * hp.n_embd + 4 * ffn + 2 * hp.n_head * scores_ctx)
 
 

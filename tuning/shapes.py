@@ -58,14 +58,14 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
         vals[k] = int(v)
     E, top_k = vals["expert_count"], vals["expert_used_count"]
     ff, embd = vals["expert_feed_forward_length"], vals["embedding_length"]
-    types = {t.name: type_name(t.tensor_type) for t in reader.tensors}
+    from ..runtime.arch_glm4moe import shared_rides
+    tensors = {t.name: t for t in reader.tensors}
+    types = {name: type_name(t.tensor_type) for name, t in tensors.items()}
     # glm4moe: the blocks of the prediction head are never run; a shared expert whose types
-    # are the routed ones' rides with them as one more expert and slot (runtime.arch_glm4moe)
-    trunk = int(field("general.block_count") or field(f"{arch}.block_count") or 0) - int(
-        field(f"{arch}.nextn_predict_layers") or 0)
+    # are the routed ones' rides with them as one more expert and slot (the loader's rule)
+    trunk = int(field(f"{arch}.block_count") or 0) - int(field(f"{arch}.nextn_predict_layers") or 0)
     shared = int(field(f"{arch}.expert_shared_count") or 0)
-    pairs = [(n, n.replace("_shexp", "_exps")) for n in types if "_shexp." in n]
-    ride = shared and all(types.get(e) == types[s] for s, e in pairs)
+    ride = shared and shared_rides(types, range(int(field(f"{arch}.leading_dense_block_count") or 0), trunk))
 
     def run(name: str) -> bool:
         block = name.split(".")[1] if name.startswith("blk.") else ""
@@ -79,8 +79,7 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
             found.append(((e, k, embd, ff) if "ffn_down" in name else (e, k, 2 * ff, embd), t))
         elif ("_shexp." in name and not ride) or name.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down"):
             # a dense FFN (a first dense layer, a shared expert of its own types): one expert every token takes
-            rows = next(tt.shape for tt in reader.tensors if tt.name == name)   # GGUF order (k, m)
-            m_, k_ = int(rows[1]), int(rows[0])
+            k_, m_ = (int(v) for v in tensors[name].shape[:2])   # GGUF order (k, m)
             found.append(((1, 1, m_, k_) if "ffn_down" in name else (1, 1, 2 * m_, k_), t))
     return sorted(dict.fromkeys(found))
 

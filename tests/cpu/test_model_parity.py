@@ -105,9 +105,13 @@ def test_the_default_ubatch_is_the_backends_and_smaller_where_all_logits_return(
 def test_the_gpus_ubatch_follows_its_free_memory():
     """The largest of AUTO_UBATCHES whose estimated buffers fit a quarter of the free memory:
     Qwen3-30B-A3B's widths take 4096 with ~6 GB free; cuBLAS's attention scores count."""
+    import dataclasses
+    from moeforge.runtime.arch import HParams
     from moeforge.runtime.backend import AUTO_UBATCHES, choose_ubatch, prompt_bytes_per_token
     from moeforge.synth import preset
-    hp = preset("qwen3-30b-a3b")     # the fields the estimate reads, as the model's HParams has them
+    spec = preset("qwen3-30b-a3b")   # its HParams, as the model's loader makes them
+    hp = HParams(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(HParams) if hasattr(spec, f.name)},
+                 n_ctx_train=spec.n_ctx)
     per_token = prompt_bytes_per_token(hp)
     assert 315_000 <= per_token <= 2 * 341_000         # at least what an H200 measured, not far past it
     assert choose_ubatch(4 * 4096 * per_token, per_token) == 4096
