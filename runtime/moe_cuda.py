@@ -14,6 +14,18 @@ from .kernels import grid_1d
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 ROUTER_CLUSTER_BLOCKS = 8    # routing.cuh.j2: RC_BLOCKS (the cluster's size, fixed in the kernel)
+ROUTER_CLUSTER_WARPS = 16    # routing.cuh.j2: RC_WARPS
+ROUTER_HELD_FLOATS = 2048    # routing.cuh.j2: 4 * 32 * ROUTER_HELD, a row's part held in registers
+ROUTER_STAGE_BYTES = 200 * 1024   # the most shared memory a router block stages rows in (sm_90: 227 KiB)
+
+
+def router_staged4(k: int) -> int:
+    """How many float4 of each router row past the registers' part router_route_cluster
+    copies into shared memory before its PDL wait (a row's rest, as far as
+    ROUTER_STAGE_BYTES allow); 0 for rows the registers hold or that are not float4 rows."""
+    if k % 4 or k <= ROUTER_HELD_FLOATS:
+        return 0
+    return min((k - ROUTER_HELD_FLOATS) // 4, ROUTER_STAGE_BYTES // (16 * ROUTER_CLUSTER_WARPS))
 
 
 def _gating_args(gating, sel_bias):
@@ -132,9 +144,11 @@ class CudaMoeOps:
         tail = (b, *_gating_args(gating, sel_bias))
         if self.router_cluster and int(self._device()["cc"].split(".")[0]) >= 9:
             # a cluster of blocks per token, the logits gathered in one block's shared memory
-            self.kernel("router_route_cluster" + _keyed(gating, sel_bias))((ROUTER_CLUSTER_BLOCKS, n), (512,), (
-                router.f, x, logits, _i32(m), _i32(k), _i32(n), _i32(gating.top_k), _f32(gating.scale), ids, wts,
-                *tail))
+            staged4 = router_staged4(k)
+            self.kernel("router_route_cluster" + _keyed(gating, sel_bias))(
+                (ROUTER_CLUSTER_BLOCKS, n), (32 * ROUTER_CLUSTER_WARPS,), (
+                    router.f, x, logits, _i32(m), _i32(k), _i32(n), _i32(gating.top_k), _f32(gating.scale), ids, wts,
+                    *tail, _i32(staged4)), smem=16 * ROUTER_CLUSTER_WARPS * staged4)
             return ids, wts
         if self._counter is None:
             self._counter = self.cp.zeros(1, dtype=self.cp.uint32)   # router_route resets it after use

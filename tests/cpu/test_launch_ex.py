@@ -186,6 +186,15 @@ def test_guessed_expert_ids_are_read_from_l2_and_checked_after_the_wait():
     assert "__ldcg" not in plain
 
 
+def test_router_rows_staged_past_the_registers():
+    """router_route_cluster holds 2048 floats of a row in registers; the next ones (4096-wide
+    routers: GLM-4.5-Air, Qwen3-235B-A22B) go to shared memory before the wait, as far as
+    ROUTER_STAGE_BYTES for the block's 16 rows allow."""
+    from moeforge.runtime.moe_cuda import ROUTER_STAGE_BYTES, router_staged4
+    assert [router_staged4(k) for k in (130, 2048, 2880, 4096, 4098, 5120)] == [0, 0, 208, 512, 0, 768]
+    assert 16 * 16 * router_staged4(1 << 16) <= ROUTER_STAGE_BYTES < 16 * 16 * (router_staged4(1 << 16) + 1)
+
+
 def test_one_unit_in_flight_only_for_the_one_token_expert_forms():
     """units=1: each lane requests one k-unit at a time (one buffer, the next unit after
     the current one is computed), so that two rows of 32-byte blocks (or of q4_K's blocks

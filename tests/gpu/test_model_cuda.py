@@ -349,11 +349,14 @@ def test_router_and_routing_in_one_launch(parity_models, n, cluster, glm):
     assert cluster or int(B._counter.get()[0]) == 0
 
 
-@pytest.mark.parametrize("E,k,top_k", [(128, 2048, 8), (256, 1024, 8), (512, 2048, 10), (32, 2880, 4), (96, 130, 6)])
+@pytest.mark.parametrize("E,k,top_k", [(128, 2048, 8), (256, 1024, 8), (512, 2048, 10), (32, 2880, 4), (96, 130, 6),
+                                       (128, 4096, 8), (160, 5120, 8), (128, 2880, 4), (64, 8192, 6), (40, 4098, 4)])
 def test_router_cluster_at_model_sizes(E, k, top_k):
-    """The cluster router at real router sizes (rows held across the wait; more rows than
-    the cluster's warps: a second and fourth pass; k not a multiple of 4: the scalar sums)
-    against the last-block kernel, bit for bit, and the logits against float64."""
+    """The cluster router at real router sizes (rows held across the wait, and their rest
+    staged in shared memory past 2048 inputs, at 8192 only as far as ROUTER_STAGE_BYTES allow;
+    more rows than the cluster's warps: a second and fourth pass; k not a multiple of 4:
+    the scalar sums) against the last-block kernel, bit for bit, and the logits against
+    float64."""
     import cupy as cp
     from types import SimpleNamespace
     from moeforge.runtime.arch import Gating
