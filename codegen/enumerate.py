@@ -52,6 +52,8 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     # one token, where two rows of two k-units do not fit one wave: one unit in flight
     out += [MmvqSpec.decode(q.name, rows=2, act=act, bias=bias, units=1, **form)
             for form, act, bias in product(expert_forms[1:], MmvqSpec.ACTS, (False, True))]
+    # dense rows of many k-units at one token, split over the block's warps (dispatch.KSPLIT_MIN_UNITS)
+    out.append(dataclasses.replace(MmvqSpec.decode(q.name, ids=False), ksplit=True))
     # the model's down product adding its experts' weighted sum to the residual (top_k <= warps)
     out += [dataclasses.replace(MmvqSpec.decode(q.name), warps=w, combine=True) for w in (1, 2, 4, 8)]
     return out

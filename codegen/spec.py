@@ -271,6 +271,9 @@ class MmvqSpec(KernelSpec):
     of the expert ids read before the wait, which a kernel in flight may still be writing,
     and check them after it (a stale guess is computed again), so the quantizer before may
     release the product at once (the one-token default).
+    ksplit (per-pair, dense, plain product): the block's warps take the same ROWS rows, each
+    every WARPS-th k-unit of them, their partial sums added in warp order (long rows at
+    one token: the attention output product of 96 heads is 12 units a row).
     units (guess or wait_first): k-units of 32 blocks a lane has in flight, 2 (the next one
     requested while the current one is computed) or 1 (half the registers: wider rows in
     one wave).
@@ -293,6 +296,7 @@ class MmvqSpec(KernelSpec):
     combine: bool = False
     guess: bool = False
     units: int = 2
+    ksplit: bool = False
 
     ACTS: ClassVar[tuple[str, ...]] = ("silu", "gelu", "swiglu_oai")
 
@@ -320,7 +324,8 @@ class MmvqSpec(KernelSpec):
         cmb = "-cmb" if self.combine else ""
         g = "-g" if self.guess else ""
         u = f"-u{self.units}" if self.units != 2 else ""
-        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}{cmb}{g}{u}"
+        ks = "-ks" if self.ksplit else ""
+        return f"{fam}-{self.qtype}-t{self.tokens}w{self.warps}r{self.rows}{fused}{bias}{pp}{xq}{ef}{pdl}{wf}{cmb}{g}{u}{ks}"
 
     @property
     def threads(self) -> int:
@@ -360,6 +365,8 @@ class MmvqSpec(KernelSpec):
         if self.guess and not (self.prequant and self.pdl and self.ids and not self.wait_first and not self.combine):
             raise ValueError(f"{self.name}: guess belongs to the prequant expert form launched with pdl that does "
                              f"not wait first (nor combine)")
+        if self.ksplit and not (self.per_pair and not self.ids and self.act is None):
+            raise ValueError(f"{self.name}: ksplit belongs to the per-pair dense product without activation")
         if self.units not in (1, 2):
             raise ValueError(f"{self.name}: units must be 1 or 2")
         if self.units == 1 and not (self.guess or self.wait_first):

@@ -11,9 +11,9 @@ A choice is a path and a spec:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..codegen.quant import quant_type
+from ..codegen.quant import KERNEL_BLOCK, quant_type
 from ..codegen.spec import KernelSpec, MmfSpec, MmqSpec, MmvqSpec
 
 PATHS = ("mmvq", "mmq_id", "per_expert", "mmf_id", "mmf")
@@ -52,7 +52,15 @@ def guesses_ids(n: int, ids: bool) -> bool:
     return ids and n == 1
 
 
-def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
+# The model's dense one-token products (x quantized by the kernel before) on rows of at
+# least this many k-units (32 blocks of 32 a lane) split the units over the block's warps
+# (MmvqSpec.ksplit): GLM-4.5-Air's attention output product is 12 units a row. H200, tg128
+# with the rule against without, one process: GLM-4.5-Air's 12-layer slice 952 -> 992,
+# Qwen3-30B-A3B (4 units) 623 -> 643, gpt-oss-20b 657 -> 663 (BENCHMARKS.md).
+KSPLIT_MIN_UNITS = 4
+
+
+def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0) -> MmvqSpec:
     """The decode form (MmvqSpec.decode) up to 8 tokens: a block per (token, slot) pair, no
     routing launch (with 128 experts a few tokens rarely share one, so grouping saves
     little); x quantized once by the launch just before, the weights streamed (evict-first),
@@ -63,9 +71,12 @@ def default_mmvq(qtype: str, n: int, ids: bool) -> MmvqSpec:
     experts: the guessing form (guesses_ids), but for K-quants: their raw 16-byte scales
     overflow the 80 registers that form is bounded to (it spills); H100, the tuner's q4_K
     Qwen3 entry (shipped profile), 5.84 us guessing against 4.45 without. q6_K keeps 12 meta
-    bytes a block (three words a row and unit, as q4_K's four) and follows the same rules."""
+    bytes a block (three words a row and unit, as q4_K's four) and follows the same rules.
+    k (given by the model's one-token dense products): long rows split k (KSPLIT_MIN_UNITS)."""
     guess = guesses_ids(n, ids) and quant_type(qtype).sub_blocks == 1
-    return MmvqSpec.decode(qtype, ids=ids, guess=guess)
+    spec = MmvqSpec.decode(qtype, ids=ids, guess=guess)
+    units = -(-k // (32 * KERNEL_BLOCK))     # a lane's blocks of a row, 32 lanes a unit
+    return replace(spec, ksplit=True) if not ids and n == 1 and units >= KSPLIT_MIN_UNITS else spec
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0,

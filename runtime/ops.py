@@ -255,7 +255,7 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
         max_tiles = -(-n_dense // spec.tokens)
     wu = up if up is not None else w
     ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
-    grid = (-(-m // (spec.warps * spec.rows)), max_tiles)
+    grid = (-(-m // (spec.rows if spec.ksplit else spec.warps * spec.rows)), max_tiles)
     if spec.combine:
         top_k = ids.shape[1]
         if top_k > spec.warps:

@@ -186,6 +186,35 @@ def test_guessed_expert_ids_are_read_from_l2_and_checked_after_the_wait():
     assert "__ldcg" not in plain
 
 
+def test_k_split_over_the_warps_is_the_models_long_dense_one_token_form():
+    """MmvqSpec.ksplit: a block's warps take the same rows, each every WARPS-th k-unit, and
+    add their partial sums in warp order; the model's one-token dense products pick it from
+    KSPLIT_MIN_UNITS units a row (not the tuner's baseline, nor experts or more tokens), and
+    the form without it renders as the shipped profiles timed it."""
+    import dataclasses
+    from moeforge.codegen.enumerate import mmvq_specs
+    from moeforge.codegen.quant import QUANT_TYPES
+    from moeforge.runtime import dispatch
+    plain = MmvqSpec.decode("q4_0", ids=False)
+    split = dataclasses.replace(plain, ksplit=True)
+    assert split.name == plain.name + "-ks"
+    body = render(split)
+    body = body[body.index(split.symbol + "("):]
+    assert "lane + 32 * (warp + WARPS * (u + 1))" in body and "s += part[w][threadIdx.x]" in body
+    assert "WARPS * " not in render(plain) and "part[" not in render(plain)
+    for q in QUANT_TYPES.values():
+        assert split.__class__.decode(q.name, ids=False).name + "-ks" in {s.name for s in mmvq_specs(q)}
+    assert not dispatch.default_mmvq("q4_0", 1, False, 2048).ksplit
+    assert dispatch.default_mmvq("q4_0", 1, False, 4096).ksplit
+    assert dispatch.default_mmvq("q4_K", 1, False, 12288).ksplit
+    assert not dispatch.default_mmvq("q4_0", 2, False, 12288).ksplit
+    assert not dispatch.default_mmvq("q4_0", 1, True, 12288).ksplit
+    assert not dispatch.default_mul_mat("q4_0", 4096, 12288, 1).spec.ksplit
+    for bad in (dict(ids=True), dict(act="silu"), dict(per_pair=False, prequant=False, tokens=1)):
+        with pytest.raises(ValueError, match="ksplit"):
+            dataclasses.replace(split, **bad).check()
+
+
 def test_router_rows_staged_past_the_registers():
     """router_route_cluster holds 2048 floats of a row in registers; the next ones (4096-wide
     routers: GLM-4.5-Air, Qwen3-235B-A22B) go to shared memory before the wait, as far as

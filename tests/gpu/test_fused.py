@@ -325,3 +325,39 @@ def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng, qtype, k):
     ops.run_mul_mat(dense, x, outs[1], choice, x_q8=x_q8)
     assert np.isfinite(outs[0].get()).all()
     np.testing.assert_array_equal(outs[0].get(), outs[1].get())
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("m,k", [(4096, 12288), (97, 4096), (130, 5376), (64, 1024)])
+def test_dense_one_token_with_k_split_over_the_warps(rng, qtype, m, k):
+    """The model's dense one-token product on long rows (GLM-4.5-Air's attention output: 12
+    k-units a row) splits k over the block's warps (MmvqSpec.ksplit): against both
+    references, bit-repeatable, the same bits reading x quantized by an earlier kernel; odd
+    m, units that do not divide among the warps (5376: 6 units over 4) and rows of fewer
+    units than warps (1024: one)."""
+    import dataclasses
+
+    import cupy as cp
+    import moeforge
+    from moeforge.codegen.spec import MmvqSpec
+    from moeforge.runtime import dispatch, ops
+    raw = ref.random_blocks(qtype, m, k, rng)
+    w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
+    x = (rng.standard_normal((1, k)) * rng.uniform(0.1, 3.0)).astype(np.float32)
+    spec = dispatch.default_mmvq(qtype, 1, False, k)
+    assert spec.ksplit == (-(-k // 1024) >= dispatch.KSPLIT_MIN_UNITS)
+    spec = dataclasses.replace(MmvqSpec.decode(qtype, ids=False), ksplit=True)
+    xd = cp.asarray(x)
+    xq, xds, nbp = ops.quantize_activations(xd)
+    outs = [cp.full((1, m), cp.nan, dtype=cp.float32) for _ in range(3)]
+    ops.run_mul_mat(w, xd, outs[0], dispatch.Choice("mmvq", spec))
+    ops.run_mul_mat(w, xd, outs[1], dispatch.Choice("mmvq", spec))
+    ops.run_mul_mat(w, xd, outs[2], dispatch.Choice("mmvq", spec), x_q8=(xq.copy(), xds.copy(), nbp))
+    got = outs[0].get()
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, outs[1].get())
+    np.testing.assert_array_equal(got, outs[2].get())
+    emu = ref.mul_mat_emulated(raw, qtype, (m, k), x)
+    flt = ref.mul_mat_float(ref.dequantize(raw, qtype, (m, k)), x)
+    assert ref.nmse(got, emu) <= NMSE_EMULATED
+    _check_float(got, emu, flt)
