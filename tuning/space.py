@@ -111,9 +111,10 @@ def knobs(choice: Choice) -> dict:
     s = choice.spec
     if isinstance(s, MmvqSpec):
         # prequant instances are generated only with streaming loads and PDL: one knob;
-        # guess (their one-token default) is another, so that the tuner measures both forms
+        # guess (their one-token default) is another, so that the tuner measures both forms,
+        # and so is ksplit (the dense one-token form of long rows)
         return {"tokens": s.tokens, "warps": s.warps, "rows": s.rows, "per_pair": s.per_pair,
-                "prequant": s.prequant, "guess": s.guess}
+                "prequant": s.prequant, "guess": s.guess, "ksplit": s.ksplit}
     if isinstance(s, MmfSpec):
         return {"x": s.x, "yw": f"y{s.y}w{s.warps}n{s.wn}", "kblocks": s.kblocks, "stages": s.stages,
                 "splits": s.splits}

@@ -33,6 +33,19 @@ def test_candidates_are_generated_instances_and_the_default_is_there(qtype, n):
         assert s.lookup(params_of(c)).spec == c.spec
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_dense_candidates_round_trip_with_the_k_split_form(n):
+    """The dense mat-vec candidates include the form that splits long rows over the warps
+    (MmvqSpec.ksplit), a knob of its own: without it two candidates shared one set of
+    Optuna parameters and one of them could never be looked up."""
+    s = build(TuneKey("mul_mat", "q4_0", (1, 1, 4096, 12288), n))
+    split = [c for c in s.choices if c.path == "mmvq" and c.spec.ksplit]
+    assert len(split) == 1 and s.knob_choices("mmvq")["ksplit"] == [False, True]
+    for c in s.choices:
+        assert s.lookup(params_of(c)).spec == c.spec
+    assert len(s.by_params) == len(s.choices)
+
+
 def test_the_profile_entry_is_measured_again(monkeypatch):
     """A re-tune seeds the bucket's current profile choice right after the default, so a
     short budget cannot replace an entry by something it never compared with it."""
