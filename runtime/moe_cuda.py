@@ -19,13 +19,15 @@ ROUTER_HELD_FLOATS = 2048    # routing.cuh.j2: 4 * 32 * ROUTER_HELD, a row's par
 ROUTER_STAGE_BYTES = 200 * 1024   # the most shared memory a router block stages rows in (sm_90: 227 KiB)
 
 
-def router_staged4(k: int) -> int:
+def router_staged4(k: int, smem_limit: int = ROUTER_STAGE_BYTES) -> int:
     """How many float4 of each router row past the registers' part router_route_cluster
     copies into shared memory before its PDL wait (a row's rest, as far as
-    ROUTER_STAGE_BYTES allow); 0 for rows the registers hold or that are not float4 rows."""
+    ROUTER_STAGE_BYTES and the device's smem_limit allow: sm_120 cards give a block 99 KiB);
+    0 for rows the registers hold or that are not float4 rows."""
     if k % 4 or k <= ROUTER_HELD_FLOATS:
         return 0
-    return min((k - ROUTER_HELD_FLOATS) // 4, ROUTER_STAGE_BYTES // (16 * ROUTER_CLUSTER_WARPS))
+    budget = max(0, min(ROUTER_STAGE_BYTES, smem_limit))
+    return min((k - ROUTER_HELD_FLOATS) // 4, budget // (16 * ROUTER_CLUSTER_WARPS))
 
 
 def _gating_args(gating, sel_bias):
@@ -144,7 +146,8 @@ class CudaMoeOps:
         tail = (b, *_gating_args(gating, sel_bias))
         if self.router_cluster and int(self._device()["cc"].split(".")[0]) >= 9:
             # a cluster of blocks per token, the logits gathered in one block's shared memory
-            staged4 = router_staged4(k)
+            # the block's static logits row (up to 2 KiB) also counts against the limit
+            staged4 = router_staged4(k, self._device()["smem_per_block_optin"] - 4096)
             self.kernel("router_route_cluster" + _keyed(gating, sel_bias))(
                 (ROUTER_CLUSTER_BLOCKS, n), (32 * ROUTER_CLUSTER_WARPS,), (
                     router.f, x, logits, _i32(m), _i32(k), _i32(n), _i32(gating.top_k), _f32(gating.scale), ids, wts,

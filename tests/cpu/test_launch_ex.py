@@ -222,6 +222,9 @@ def test_router_rows_staged_past_the_registers():
     from moeforge.runtime.moe_cuda import ROUTER_STAGE_BYTES, router_staged4
     assert [router_staged4(k) for k in (130, 2048, 2880, 4096, 4098, 5120)] == [0, 0, 208, 512, 0, 768]
     assert 16 * 16 * router_staged4(1 << 16) <= ROUTER_STAGE_BYTES < 16 * 16 * (router_staged4(1 << 16) + 1)
+    # a card that gives a block less shared memory (sm_120: 99 KiB) stages less, never more
+    assert router_staged4(4096, 99 * 1024 - 4096) == (99 * 1024 - 4096) // 256 < 512
+    assert router_staged4(4096, 0) == 0
 
 
 def test_one_unit_in_flight_only_for_the_one_token_expert_forms():
