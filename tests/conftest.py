@@ -160,6 +160,27 @@ def kl_per_token(ref, got):
     return (np.exp(lp) * (lp - lq)).sum(axis=-1)
 
 
+def assert_top1_and_kl(ref, got, bar=1e-3):
+    """Issue 4's bar on logits: the same top-1 token at every position, mean KL per token
+    (ref || got) below bar."""
+    top = got.argmax(-1) == ref.argmax(-1)
+    assert top.all(), f"top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
+    kl = kl_per_token(ref, got)
+    assert kl.mean() < bar, f"mean KL {kl.mean():.2e} (max {kl.max():.2e})"
+
+
+def assert_cache_consistent(m, toks, cuts):
+    """All at once == token by token == in the uneven chunks that `cuts` (ascending ends)
+    make: what one pass writes into the KV cache, later passes read as the whole prompt's."""
+    whole = m.logits(toks)
+    m.reset(len(toks))
+    one = np.concatenate([m.eval([t]) for t in toks])
+    m.reset()
+    chunks = np.concatenate([m.eval(toks[a:b]) for a, b in zip((0, *cuts[:-1]), cuts)])
+    np.testing.assert_allclose(one, whole, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(chunks, whole, atol=1e-5, rtol=0)
+
+
 def attn_hparams(n_head, n_head_kv, head_dim):
     """A small model's hyperparameters with the given heads (for attention alone)."""
     from moeforge.runtime.arch_qwen3moe import HParams

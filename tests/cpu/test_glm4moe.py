@@ -6,7 +6,7 @@ the shared expert kept apart where its types differ, and what loading refuses.""
 import numpy as np
 import pytest
 
-from conftest import kl_per_token, rewrite
+from conftest import assert_cache_consistent, kl_per_token, rewrite
 from moeforge.runtime.gguf_file import GGUFError
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, tensor_plan
@@ -70,14 +70,7 @@ def test_kv_cache_consistency(parity_models):
     """All at once == token by token == in uneven chunks."""
     fx = parity_models["glm-q8_0"]
     m = load_model(fx["path"], backend="numpy")
-    toks = fx["tokens"][:20]
-    whole = m.logits(toks)
-    m.reset(len(toks))
-    one = np.concatenate([m.eval([t]) for t in toks])
-    m.reset()
-    chunks = np.concatenate([m.eval(toks[a:b]) for a, b in ((0, 3), (3, 4), (4, 13), (13, 20))])
-    np.testing.assert_allclose(one, whole, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(chunks, whole, atol=1e-5, rtol=0)
+    assert_cache_consistent(m, fx["tokens"][:20], (3, 4, 13, 20))
 
 
 def test_hparams_and_layers(parity_models):

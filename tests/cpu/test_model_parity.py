@@ -3,7 +3,7 @@ scripts/make_parity_fixtures.py), and the graph's own consistency."""
 import numpy as np
 import pytest
 
-from conftest import kl_per_token
+from conftest import assert_cache_consistent, kl_per_token
 from moeforge.runtime.model import load_model
 
 F32_BAR = 1e-4   # max abs difference of the logits (their spread is ~1)
@@ -54,14 +54,7 @@ def test_kv_cache_consistency(parity_models):
     prompt attention is the GPU's f16 one and the one-token steps are float32, on purpose.)"""
     fx = parity_models["q4_0"]
     m = load_model(fx["path"], backend="numpy", numerics="float")
-    toks = fx["tokens"][:24]
-    whole = m.logits(toks)
-    m.reset(len(toks))
-    one = np.concatenate([m.eval([t]) for t in toks])
-    m.reset()
-    chunks = np.concatenate([m.eval(toks[a:b]) for a, b in ((0, 5), (5, 6), (6, 17), (17, 24))])
-    np.testing.assert_allclose(one, whole, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(chunks, whole, atol=1e-5, rtol=0)
+    assert_cache_consistent(m, fx["tokens"][:24], (5, 6, 17, 24))
 
 
 def test_ubatches_do_not_change_logits(parity_models):
