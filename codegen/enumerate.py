@@ -54,6 +54,10 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
             for form, act, bias in product(expert_forms[1:], MmvqSpec.ACTS, (False, True))]
     # dense rows of many k-units at one token, split over the block's warps (dispatch.KSPLIT_MIN_UNITS)
     out.append(dataclasses.replace(MmvqSpec.decode(q.name, ids=False), ksplit=True))
+    # the model's wait-first expert gate/up, its units split over 4 warps (dispatch.FUSED_KSPLIT_MIN_UNITS)
+    out += [dataclasses.replace(MmvqSpec.decode(q.name, rows=2, act=act, bias=bias, units=1, wait_first=True),
+                                warps=4, ksplit=True)
+            for act, bias in product(MmvqSpec.ACTS, (False, True))]
     # the model's down product adding its experts' weighted sum to the residual (top_k <= warps)
     out += [dataclasses.replace(MmvqSpec.decode(q.name), warps=w, combine=True) for w in (1, 2, 4, 8)]
     return out

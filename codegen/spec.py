@@ -271,9 +271,10 @@ class MmvqSpec(KernelSpec):
     of the expert ids read before the wait, which a kernel in flight may still be writing,
     and check them after it (a stale guess is computed again), so the quantizer before may
     release the product at once (the one-token default).
-    ksplit (per-pair, dense, plain product): the block's warps take the same ROWS rows, each
-    every WARPS-th k-unit of them, their partial sums added in warp order (long rows at
-    one token: the attention output product of 96 heads is 12 units a row).
+    ksplit (per-pair; not guess, not combine): the block's warps take the same ROWS rows,
+    each every WARPS-th k-unit of them, their partial sums added in warp order (long rows
+    at one token: the attention output product of 96 heads is 12 units a row; the
+    wait-first expert gate/up walks 4096-wide rows one unit at a time).
     units (guess or wait_first): k-units of 32 blocks a lane has in flight, 2 (the next one
     requested while the current one is computed) or 1 (half the registers: wider rows in
     one wave).
@@ -365,8 +366,8 @@ class MmvqSpec(KernelSpec):
         if self.guess and not (self.prequant and self.pdl and self.ids and not self.wait_first and not self.combine):
             raise ValueError(f"{self.name}: guess belongs to the prequant expert form launched with pdl that does "
                              f"not wait first (nor combine)")
-        if self.ksplit and not (self.per_pair and not self.ids and self.act is None):
-            raise ValueError(f"{self.name}: ksplit belongs to the per-pair dense product without activation")
+        if self.ksplit and not (self.per_pair and not self.guess and not self.combine):
+            raise ValueError(f"{self.name}: ksplit belongs to the per-pair forms that neither guess nor combine")
         if self.units not in (1, 2):
             raise ValueError(f"{self.name}: units must be 1 or 2")
         if self.units == 1 and not (self.guess or self.wait_first):

@@ -58,6 +58,12 @@ def guesses_ids(n: int, ids: bool) -> bool:
 # with the rule against without, one process: GLM-4.5-Air's 12-layer slice 952 -> 992,
 # Qwen3-30B-A3B (4 units) 623 -> 643, gpt-oss-20b 657 -> 663 (BENCHMARKS.md).
 KSPLIT_MIN_UNITS = 4
+# The model's wait-first expert gate/up (one unit in flight a warp) on rows of at least this
+# many units splits them over 4 warps: four dependent round trips become one. Shorter rows
+# lose more to the meet in shared memory than they gain. H200, tg128 with the rule against
+# without, one process: GLM-4.5-Air's slice (4 units) 994 -> 1012; at 2 units Qwen3-30B-A3B
+# lost 643 -> 630, at 3 gpt-oss-20b 664 -> 637 (BENCHMARKS.md).
+FUSED_KSPLIT_MIN_UNITS = 4
 
 
 def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0) -> MmvqSpec:
@@ -113,8 +119,12 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
             rows, units = 2, 1
         elif short_4bit:
             rows = 2
-        return MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units,
+        spec = MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units,
                                wait_first=wait_first)
+        row_units = -(-k // (32 * KERNEL_BLOCK))
+        if wait_first and ids and n == 1 and row_units >= FUSED_KSPLIT_MIN_UNITS:
+            spec = replace(spec, warps=4, ksplit=True)
+        return spec
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)
 

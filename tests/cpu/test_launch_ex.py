@@ -210,9 +210,20 @@ def test_k_split_over_the_warps_is_the_models_long_dense_one_token_form():
     assert not dispatch.default_mmvq("q4_0", 2, False, 12288).ksplit
     assert not dispatch.default_mmvq("q4_0", 1, True, 12288).ksplit
     assert not dispatch.default_mul_mat("q4_0", 4096, 12288, 1).spec.ksplit
-    for bad in (dict(ids=True), dict(act="silu"), dict(per_pair=False, prequant=False, tokens=1)):
+    for bad in (dict(ids=True, guess=True), dict(ids=True, combine=True), dict(per_pair=False, prequant=False)):
         with pytest.raises(ValueError, match="ksplit"):
             dataclasses.replace(split, **bad).check()
+    # the model's wait-first expert gate/up: rows of four units and more, over 4 warps
+    fused = {k: dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=k, wait_first=True)
+             for k in (2048, 2880, 4096, 5120)}
+    assert not fused[2048].ksplit and not fused[2880].ksplit
+    assert fused[4096].ksplit and fused[5120].ksplit and fused[4096].warps == 4
+    assert fused[4096].name.endswith("-wf-u1-ks")
+    assert not dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=4096).ksplit   # the guessing form
+    names = {s.name for s in mmvq_specs(QUANT_TYPES["q4_0"])}
+    assert {f.name for f in fused.values()} <= names
+    body = render(fused[4096])
+    assert "su += part_u[w][threadIdx.x]" in body and "s = activate(s, su)" in body
 
 
 def test_router_rows_staged_past_the_registers():

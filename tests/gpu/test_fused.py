@@ -361,3 +361,46 @@ def test_dense_one_token_with_k_split_over_the_warps(rng, qtype, m, k):
     flt = ref.mul_mat_float(ref.dequantize(raw, qtype, (m, k)), x)
     assert ref.nmse(got, emu) <= NMSE_EMULATED
     _check_float(got, emu, flt)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("act,bias", [("silu", False), ("gelu", True), ("swiglu_oai", True)])
+@pytest.mark.parametrize("k", [2048, 4096, 2816, 1280, 5120])
+def test_wait_first_gate_up_with_k_split_over_the_warps(rng, qtype, act, bias, k):
+    """The model's one-token expert gate/up (waiting first for the router's ids, x quantized
+    by the norm before) with its k-units split over 4 warps (MmvqSpec.ksplit: the gate and
+    up partial sums added in warp order, then the biases and the activation): against both
+    references, the same bits run to run and from x quantized before; merged and separate
+    gate/up; units that do not divide among the warps (2816: 3 over 4, one warp idle; 1280:
+    2 over 4; 5120: 5 over 4)."""
+    import dataclasses
+
+    import cupy as cp
+    from moeforge.codegen.spec import MmvqSpec
+    from moeforge.runtime import ops
+    from moeforge.runtime.fused import Operands, run_moe_gate_up
+    E, top_k, n_ff = 16, 4, 130
+    merged = k != 4096
+    rg, ru, w = _weights(rng, qtype, E, n_ff, k, merged)
+    x = (rng.standard_normal((1, k)) * 2).astype(np.float32)
+    ids = rng.choice(E, top_k, replace=False).reshape(1, top_k).astype(np.int32)
+    bg = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32) if bias else None
+    bu = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32) if bias else None
+    spec = dataclasses.replace(MmvqSpec.decode(qtype, rows=2, act=act, bias=bias, units=1, wait_first=True),
+                               warps=4, ksplit=True)
+    xd = cp.asarray(x)
+    o = Operands(xd, w.get("gate_up"), w.get("gate"), w.get("up"),
+                 cp.asarray(bg) if bias else None, cp.asarray(bu) if bias else None, experts=True)
+    xq, xds, nbp = ops.quantize_activations(xd)
+    outs = [cp.full((1, top_k, n_ff), cp.nan, dtype=cp.float32) for _ in range(3)]
+    run_moe_gate_up(o, cp.asarray(ids), outs[0], act, spec=spec)
+    run_moe_gate_up(o, cp.asarray(ids), outs[1], act, spec=spec)
+    run_moe_gate_up(o, cp.asarray(ids), outs[2], act, spec=spec, x_q8=(xq.copy(), xds.copy(), nbp))
+    got = outs[0].get()
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, outs[1].get())
+    np.testing.assert_array_equal(got, outs[2].get())
+    emu = _expected(qtype, E, n_ff, k, rg, ru, x, ids, act, bg, bu, True)
+    flt = _expected(qtype, E, n_ff, k, rg, ru, x, ids, act, bg, bu, False)
+    assert ref.nmse(got, emu) <= NMSE_EMULATED, ref.nmse(got, emu)
+    _check_float(got, emu, flt)
