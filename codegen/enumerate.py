@@ -53,7 +53,7 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     out += [MmvqSpec.decode(q.name, rows=2, act=act, bias=bias, units=1, **form)
             for form, act, bias in product(expert_forms[1:], MmvqSpec.ACTS, (False, True))]
     # dense rows of many k-units at one token, split over the block's warps (dispatch.KSPLIT_MIN_UNITS)
-    out.append(dataclasses.replace(MmvqSpec.decode(q.name, ids=False), ksplit=True))
+    out.append(dataclasses.replace(MmvqSpec.decode(q.name, ids=False), ksplit=True, warps=2))
     # the model's wait-first expert gate/up, its units split over 4 warps (dispatch.FUSED_KSPLIT_MIN_UNITS)
     out += [dataclasses.replace(MmvqSpec.decode(q.name, rows=2, act=act, bias=bias, units=1, wait_first=True),
                                 warps=4, ksplit=True)

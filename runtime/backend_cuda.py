@@ -284,7 +284,7 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
             if q8 is not None:
                 # x comes quantized: the one-token form reads it and has no launch before it
                 # (a profile's n=1 entry timed its kernel with the quantization included)
-                ops.run_mul_mat(w.q, x, out, dispatch.Choice("mmvq", dispatch.default_mmvq(w.qtype, 1, False, k)),
+                ops.run_mul_mat(w.q, x, out, dispatch.Choice("mmvq", dispatch.default_mmvq(w.qtype, 1, False, k, m)),
                                 x_q8=q8)
             else:
                 ops.run_mul_mat(w.q, x, out, dispatch.choose_mul_mat(w.qtype, m, k, n, w.q.f16_fits))

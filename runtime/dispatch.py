@@ -58,6 +58,14 @@ def guesses_ids(n: int, ids: bool) -> bool:
 # with the rule against without, one process: GLM-4.5-Air's 12-layer slice 952 -> 992,
 # Qwen3-30B-A3B (4 units) 623 -> 643, gpt-oss-20b 657 -> 663 (BENCHMARKS.md).
 KSPLIT_MIN_UNITS = 4
+# ... and only products of at most this many rows: past it the unsplit form already has
+# warps enough (GLM-4.5-Air's qkv, 14336 rows of 4 units, is 3584 warps unsplit) ...
+KSPLIT_MAX_ROWS = 8192
+# ... over this many warps, not 4: fewer warps each with more units in flight. H200, tg128,
+# one process, 4 warps and every row count (the rule before) -> 4 warps up to 8192 rows ->
+# 2 warps up to 8192 rows: GLM slice 1011 -> 1017 -> 1036, Qwen3-30B-A3B 643 -> 643 -> 652,
+# gpt-oss-20b 663 -> 663 -> 668 (BENCHMARKS.md).
+KSPLIT_WARPS = 2
 # The model's wait-first expert gate/up (one unit in flight a warp) on rows of at least this
 # many units splits them over 4 warps: four dependent round trips become one. Shorter rows
 # lose more to the meet in shared memory than they gain. H200, tg128 with the rule against
@@ -66,7 +74,7 @@ KSPLIT_MIN_UNITS = 4
 FUSED_KSPLIT_MIN_UNITS = 4
 
 
-def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0) -> MmvqSpec:
+def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0, m: int = 0) -> MmvqSpec:
     """The decode form (MmvqSpec.decode) up to 8 tokens: a block per (token, slot) pair, no
     routing launch (with 128 experts a few tokens rarely share one, so grouping saves
     little); x quantized once by the launch just before, the weights streamed (evict-first),
@@ -78,11 +86,13 @@ def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0) -> MmvqSpec:
     overflow the 80 registers that form is bounded to (it spills); H100, the tuner's q4_K
     Qwen3 entry (shipped profile), 5.84 us guessing against 4.45 without. q6_K keeps 12 meta
     bytes a block (three words a row and unit, as q4_K's four) and follows the same rules.
-    k (given by the model's one-token dense products): long rows split k (KSPLIT_MIN_UNITS)."""
+    k and m (given by the model's one-token dense products; m 0: not known): long rows of a
+    product with few of them split k (KSPLIT_MIN_UNITS, KSPLIT_MAX_ROWS)."""
     guess = guesses_ids(n, ids) and quant_type(qtype).sub_blocks == 1
     spec = MmvqSpec.decode(qtype, ids=ids, guess=guess)
     units = -(-k // (32 * KERNEL_BLOCK))     # a lane's blocks of a row, 32 lanes a unit
-    return replace(spec, ksplit=True) if not ids and n == 1 and units >= KSPLIT_MIN_UNITS else spec
+    split = not ids and n == 1 and units >= KSPLIT_MIN_UNITS and m <= KSPLIT_MAX_ROWS
+    return replace(spec, ksplit=True, warps=KSPLIT_WARPS) if split else spec
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0,

@@ -189,7 +189,8 @@ def test_guessed_expert_ids_are_read_from_l2_and_checked_after_the_wait():
 def test_k_split_over_the_warps_is_the_models_long_dense_one_token_form():
     """MmvqSpec.ksplit: a block's warps take the same rows, each every WARPS-th k-unit, and
     add their partial sums in warp order; the model's one-token dense products pick it from
-    KSPLIT_MIN_UNITS units a row (not the tuner's baseline, nor experts or more tokens), and
+    KSPLIT_MIN_UNITS units a row up to KSPLIT_MAX_ROWS rows (not the tuner's baseline, nor
+    experts or more tokens), and
     the form without it renders as the shipped profiles timed it."""
     import dataclasses
     from moeforge.codegen.enumerate import mmvq_specs
@@ -203,10 +204,14 @@ def test_k_split_over_the_warps_is_the_models_long_dense_one_token_form():
     assert "lane + 32 * (warp + WARPS * (u + 1))" in body and "s += part[w][threadIdx.x]" in body
     assert "WARPS * " not in render(plain) and "part[" not in render(plain)
     for q in QUANT_TYPES.values():
-        assert split.__class__.decode(q.name, ids=False).name + "-ks" in {s.name for s in mmvq_specs(q)}
+        assert dispatch.default_mmvq(q.name, 1, False, 12288, 4096).name in {s.name for s in mmvq_specs(q)}
     assert not dispatch.default_mmvq("q4_0", 1, False, 2048).ksplit
     assert dispatch.default_mmvq("q4_0", 1, False, 4096).ksplit
-    assert dispatch.default_mmvq("q4_K", 1, False, 12288).ksplit
+    assert dispatch.default_mmvq("q4_K", 1, False, 12288, 4096).ksplit
+    assert dispatch.default_mmvq("q4_K", 1, False, 12288, 4096).warps == dispatch.KSPLIT_WARPS
+    # products with rows enough for the card stay unsplit (GLM-4.5-Air's qkv, its output head)
+    assert not dispatch.default_mmvq("q4_0", 1, False, 4096, 14336).ksplit
+    assert not dispatch.default_mmvq("q4_0", 1, False, 4096, 151552).ksplit
     assert not dispatch.default_mmvq("q4_0", 2, False, 12288).ksplit
     assert not dispatch.default_mmvq("q4_0", 1, True, 12288).ksplit
     assert not dispatch.default_mul_mat("q4_0", 4096, 12288, 1).spec.ksplit

@@ -329,12 +329,13 @@ def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng, qtype, k):
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("m,k", [(4096, 12288), (97, 4096), (130, 5376), (64, 1024)])
-def test_dense_one_token_with_k_split_over_the_warps(rng, qtype, m, k):
+@pytest.mark.parametrize("warps", [2, 4])
+def test_dense_one_token_with_k_split_over_the_warps(rng, qtype, m, k, warps):
     """The model's dense one-token product on long rows (GLM-4.5-Air's attention output: 12
     k-units a row) splits k over the block's warps (MmvqSpec.ksplit): against both
     references, bit-repeatable, the same bits reading x quantized by an earlier kernel; odd
     m, units that do not divide among the warps (5376: 6 units over 4) and rows of fewer
-    units than warps (1024: one)."""
+    units than warps (1024: one); over 2 warps (the model's, dispatch.KSPLIT_WARPS) and 4."""
     import dataclasses
 
     import cupy as cp
@@ -344,9 +345,9 @@ def test_dense_one_token_with_k_split_over_the_warps(rng, qtype, m, k):
     raw = ref.random_blocks(qtype, m, k, rng)
     w = moeforge.QuantTensor.from_blocks(raw, qtype, (m, k))
     x = (rng.standard_normal((1, k)) * rng.uniform(0.1, 3.0)).astype(np.float32)
-    spec = dispatch.default_mmvq(qtype, 1, False, k)
+    spec = dispatch.default_mmvq(qtype, 1, False, k, m)
     assert spec.ksplit == (-(-k // 1024) >= dispatch.KSPLIT_MIN_UNITS)
-    spec = dataclasses.replace(MmvqSpec.decode(qtype, ids=False), ksplit=True)
+    spec = dataclasses.replace(MmvqSpec.decode(qtype, ids=False), ksplit=True, warps=warps)
     xd = cp.asarray(x)
     xq, xds, nbp = ops.quantize_activations(xd)
     outs = [cp.full((1, m), cp.nan, dtype=cp.float32) for _ in range(3)]
