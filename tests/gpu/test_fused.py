@@ -367,13 +367,14 @@ def test_dense_one_token_with_k_split_over_the_warps(rng, qtype, m, k, warps):
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("act,bias", [("silu", False), ("gelu", True), ("swiglu_oai", True)])
 @pytest.mark.parametrize("k", [2048, 4096, 2816, 1280, 5120])
-def test_wait_first_gate_up_with_k_split_over_the_warps(rng, qtype, act, bias, k):
+@pytest.mark.parametrize("warps", [2, 4])
+def test_wait_first_gate_up_with_k_split_over_the_warps(rng, qtype, act, bias, k, warps):
     """The model's one-token expert gate/up (waiting first for the router's ids, x quantized
-    by the norm before) with its k-units split over 4 warps (MmvqSpec.ksplit: the gate and
-    up partial sums added in warp order, then the biases and the activation): against both
-    references, the same bits run to run and from x quantized before; merged and separate
-    gate/up; units that do not divide among the warps (2816: 3 over 4, one warp idle; 1280:
-    2 over 4; 5120: 5 over 4)."""
+    by the norm before) with its k-units split over 4 warps (the model's) or 2
+    (MmvqSpec.ksplit: the gate and up partial sums added in warp order, then the biases and
+    the activation): against both references, the same bits run to run and from x
+    quantized before; merged and separate gate/up; units that do not divide among the
+    warps (2816: 3 over 4, one warp idle; 1280: 2 over 4; 5120: 5 over 4 or 2)."""
     import dataclasses
 
     import cupy as cp
@@ -388,7 +389,7 @@ def test_wait_first_gate_up_with_k_split_over_the_warps(rng, qtype, act, bias, k
     bg = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32) if bias else None
     bu = (rng.standard_normal((E, n_ff)) * 0.5).astype(np.float32) if bias else None
     spec = dataclasses.replace(MmvqSpec.decode(qtype, rows=2, act=act, bias=bias, units=1, wait_first=True),
-                               warps=4, ksplit=True)
+                               warps=warps, ksplit=True)
     xd = cp.asarray(x)
     o = Operands(xd, w.get("gate_up"), w.get("gate"), w.get("up"),
                  cp.asarray(bg) if bias else None, cp.asarray(bu) if bias else None, experts=True)
