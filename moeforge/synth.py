@@ -20,9 +20,10 @@ import numpy as np
 
 from .codegen.quant import QUANT_TYPES
 from .runtime.convert import block_size, row_bytes
+from .synth_mla import add_deepseek2_metadata, deepseek2_layers
 from .synth_vocab import add_tokenizer
 
-ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
+ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2")
 # q3_K_M, q4_K_M, q5_K_M: llama.cpp's mixes of those names (q3_K, q4_K or q5_K, with more
 # bits in places: see mix_types); q2_K_mix: llama.cpp's Q2_K mix (plain "q2_K" is q2_K for
 # every matrix, as the other type names are); q6_K also for every matrix, or as --output-type/--embd-type
@@ -70,6 +71,13 @@ class SynthSpec:
     n_dense_lead: int = 0
     n_nextn: int = 0
     routed_scale: float = 0.0
+    # deepseek2 (moeforge.synth_mla): head_dim is a query head (nope + n_rot RoPE values), the
+    # latent of kv_lora_rank, value heads of v_head_dim, q low-rank where q_lora_rank > 0,
+    # YaRN's mscale_all_dim (yarn_log_mul)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0
+    yarn_log_mul: float = 0.0
 
 
 PRESETS = {
@@ -105,6 +113,17 @@ PRESETS = {
                           n_ff_exp=64, n_expert=8, n_expert_used=3, n_ctx=512, rope_base=1e4, rms_eps=1e-5,
                           n_ff=192, arch="glm4moe", n_rot=16, qk_norm=False, n_expert_shared=1, n_dense_lead=1,
                           n_nextn=1, routed_scale=2.5),
+    # DeepSeek-V2-Lite (16B-A2.4B): latent attention, 64 experts and 2 shared, layer 0 dense
+    "deepseek-v2-lite": SynthSpec(n_vocab=102400, n_embd=2048, n_layer=27, n_head=16, n_head_kv=1, head_dim=192,
+                                  n_ff_exp=1408, n_expert=64, n_expert_used=6, n_ctx=163840, rope_base=10000.0,
+                                  rms_eps=1e-6, n_ff=10944, arch="deepseek2", n_rot=64, n_expert_shared=2,
+                                  n_dense_lead=1, routed_scale=1.0, yarn_factor=40.0, yarn_orig_ctx=4096,
+                                  kv_lora_rank=512, v_head_dim=128, yarn_log_mul=0.707),
+    "tiny-deepseek": SynthSpec(n_vocab=512, n_embd=128, n_layer=3, n_head=4, n_head_kv=1, head_dim=48,
+                               n_ff_exp=64, n_expert=8, n_expert_used=3, n_ctx=512, rope_base=1e4, rms_eps=1e-6,
+                               n_ff=192, arch="deepseek2", n_rot=16, n_expert_shared=2, n_dense_lead=1,
+                               routed_scale=1.0, yarn_factor=4.0, yarn_orig_ctx=64, kv_lora_rank=64,
+                               v_head_dim=32, yarn_log_mul=0.707),
     "tiny-oss": SynthSpec(n_vocab=512, n_embd=128, n_layer=4, n_head=4, n_head_kv=2, head_dim=32,
                           n_ff_exp=64, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, rms_eps=1e-5,
                           arch="gpt-oss", n_swa=8, yarn_factor=4.0, yarn_orig_ctx=64),
@@ -143,8 +162,11 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
     if qtype in EXPERT_MIXES:
         experts, qtype = EXPERT_MIXES[qtype]
     plan = [("token_embd.weight", (s.n_vocab, d), embd_type or qtype)]
-    if s.arch in ("gpt-oss", "glm4moe"):
-        layers = _gptoss_layers(s, qtype, experts) if s.arch == "gpt-oss" else _glm_layers(s, qtype, experts, mix)
+    if s.arch in ("gpt-oss", "glm4moe", "deepseek2"):
+        if s.arch == "deepseek2":
+            layers = deepseek2_layers(s, qtype, experts)
+        else:
+            layers = _gptoss_layers(s, qtype, experts) if s.arch == "gpt-oss" else _glm_layers(s, qtype, experts, mix)
         return plan + layers + [("output_norm.weight", (d,), "f32")] + (
             [] if tied_output else [("output.weight", (s.n_vocab, d), output_type or qtype)])
     for i in range(s.n_layer):
@@ -436,8 +458,9 @@ def _add_metadata(w, s: SynthSpec, qtype: str, name: str) -> None:
     w.add_block_count(s.n_layer + s.n_nextn)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
+    mla = s.arch == "deepseek2"     # the cache's rows: the latent and the RoPE key, the latent
+    w.add_key_length(s.kv_lora_rank + s.n_rot if mla else s.head_dim)
+    w.add_value_length(s.kv_lora_rank if mla else s.head_dim)
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_expert_count(s.n_expert)
@@ -455,6 +478,8 @@ def _add_metadata(w, s: SynthSpec, qtype: str, name: str) -> None:
         w.add_expert_weights_norm(True)
         if s.n_nextn:
             w.add_nextn_predict_layers(s.n_nextn)
+    if mla:
+        add_deepseek2_metadata(w, s)
     if s.yarn_factor:
         import gguf
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

@@ -40,6 +40,28 @@ class YaRN:
 
 
 @dataclass(frozen=True)
+class MLA:
+    """DeepSeek's multi-head latent attention as llama.cpp runs it (absorbed): each token's
+    keys and values are one latent of kv_lora_rank values (RMS-normed) and one RoPE key of
+    rope_dim values that every head shares; a head's query (nope_dim + rope_dim) reaches the
+    latent through k_b (its nope part) and its output leaves it through v_b (v_dim values).
+    So the cache holds one key row of kv_lora_rank + rope_dim a token and layer, the value
+    row being its first kv_lora_rank values: attention of n_head queries over one kv head.
+    RoPE turns adjacent pairs (ggml's NORM mode), not NEOX's halves. kq_scale: the softmax
+    scale, YaRN's mscale squared over sqrt(nope_dim + rope_dim)."""
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    kq_scale: float
+    q_lora_rank: int = 0          # 0: q straight from the input (attn_q)
+
+    @property
+    def q_head(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+@dataclass(frozen=True)
 class Gating:
     """How a MoE layer's router turns logits into experts and weights (llama.cpp's
     build_moe_ffn): softmax or sigmoid of the logits; the top_k chosen by those
@@ -89,6 +111,8 @@ class HParams:
     shared_slots: int = 0               # shared experts riding with the routed ones (Gating.shared)
     n_dense_lead: int = 0
     n_ff: int = 0
+    # deepseek2: latent attention (head_dim is then the latent key row, n_head_kv 1)
+    mla: MLA | None = None
 
     @property
     def rot_dim(self) -> int:
@@ -114,12 +138,22 @@ class HParams:
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim
 
+    @property
+    def v_dim(self) -> int:
+        """A value head's width (MLA: the latent, the first values of the key row)."""
+        return self.mla.kv_lora_rank if self.mla else self.head_dim
 
-def common_hparams(f: GGUFFile, arch: str, more: tuple[str, ...] = ()) -> dict:
+    @property
+    def kq_scale(self) -> float:
+        return self.mla.kq_scale if self.mla else 1.0 / math.sqrt(self.head_dim)
+
+
+def common_hparams(f: GGUFFile, arch: str, more: tuple[str, ...] = (), equal_kv: bool = True) -> dict:
     """What every architecture's loader reads and checks alike: the file's architecture,
     the positive integers (and `more` of them, returned too), whole groups of query heads,
     top_k within the experts, equal even key and value widths, the embedding matrix. The
-    HParams fields they give, keyed by their names, and `more` by their keys."""
+    HParams fields they give, keyed by their names, and `more` by their keys (equal_kv False:
+    the architecture checks key and value widths itself; v_dim is returned then)."""
     if f.architecture != arch:
         raise GGUFError(f"{f.path}: general.architecture is {f.architecture!r}, expected {arch!r}")
     a = arch
@@ -139,14 +173,15 @@ def common_hparams(f: GGUFFile, arch: str, more: tuple[str, ...] = ()) -> dict:
     n_embd = vals["embedding_length"]
     head_dim = f.get(f"{a}.attention.key_length", n_embd // n_head, kind=int)
     v_dim = f.get(f"{a}.attention.value_length", head_dim, kind=int)
-    if v_dim != head_dim or head_dim % 2:
+    if equal_kv and (v_dim != head_dim or head_dim % 2):
         raise GGUFError(f"{f.path}: {a}.attention.key_length ({head_dim}) and value_length ({v_dim}) must be "
                         f"equal and even")
     tok = f.tensors.get("token_embd.weight")
     if tok is None or len(tok.shape) != 2:
         raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing or not a matrix")
     return dict(n_vocab=tok.shape[0], n_embd=n_embd, n_layer=vals["block_count"], n_head=n_head, n_head_kv=n_head_kv,
-                head_dim=head_dim, n_expert=n_expert, n_expert_used=n_used, **{k: vals[k] for k in more})
+                head_dim=head_dim, n_expert=n_expert, n_expert_used=n_used, **{k: vals[k] for k in more},
+                **({} if equal_kv else {"v_dim": v_dim}))
 
 
 def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
@@ -199,6 +234,51 @@ def pick_gate_up(L: "LayerRefs", g: TensorRef, u: TensorRef, merge: bool, name: 
         L.gate_up = merge_gate_up(g, u, name)
     else:
         L.gate, L.up = g, u
+
+
+def ffn_refs(L: "LayerRefs", T: dict[str, TensorRef], b: str, dense: bool, ride: bool, apart: bool,
+             merge: bool) -> "LayerRefs":
+    """A glm4moe or deepseek2 layer's FFN into L: a dense layer's as one expert; else the
+    router, its selection bias where the file has one, the down experts, and the shared
+    expert riding with the routed ones (append_shared) or apart (a LayerRefs of its own)."""
+    if dense:
+        L.down = as_one_expert(T[b + "ffn_down.weight"])
+        pick_gate_up(L, as_one_expert(T[b + "ffn_gate.weight"]), as_one_expert(T[b + "ffn_up.weight"]),
+                     merge, b + "ffn_gate_up.weight")
+        return L
+    L.router, L.exp_probs_b = T[b + "ffn_gate_inp.weight"], T.get(b + "exp_probs_b.bias")
+    if ride:
+        L.down = append_shared(T[b + "ffn_down_exps.weight"], T[b + "ffn_down_shexp.weight"],
+                               b + "ffn_down_exps.weight")
+        pick_gate_up(L, append_shared(T[b + "ffn_gate_exps.weight"], T[b + "ffn_gate_shexp.weight"],
+                                      b + "ffn_gate_exps.weight"),
+                     append_shared(T[b + "ffn_up_exps.weight"], T[b + "ffn_up_shexp.weight"],
+                                   b + "ffn_up_exps.weight"), merge, b + "ffn_gate_up_exps.weight")
+        return L
+    L.down = T[b + "ffn_down_exps.weight"]
+    if apart:
+        S = LayerRefs(None, None, None, None, None, None, None, None, None,
+                      as_one_expert(T[b + "ffn_down_shexp.weight"]))
+        pick_gate_up(S, as_one_expert(T[b + "ffn_gate_shexp.weight"]), as_one_expert(T[b + "ffn_up_shexp.weight"]),
+                     merge, b + "ffn_gate_up_shexp.weight")
+        L.shared = S
+    return L   # the routed gate and up: open_layers (set_gate_up)
+
+
+def shared_rides(types: dict[str, str], layers: range) -> bool:
+    """Whether the shared expert joins the routed ones (Gating.shared is the model's, so in
+    every one of `layers` or in none): each of its gate, up and down has the type of the
+    routed tensor it joins, and gate and up are separate (a file's merged ffn_gate_up_exps
+    has no gate rows to append to). types: tensor name -> type (the loader's, the tuner's)."""
+    for i in layers:
+        b = f"blk.{i}."
+        if b + "ffn_gate_up_exps.weight" in types:
+            return False
+        for p in ("gate", "up", "down"):
+            s, e = types.get(f"{b}ffn_{p}_shexp.weight"), types.get(f"{b}ffn_{p}_exps.weight")
+            if s is not None and e is not None and s != e:
+                return False
+    return True
 
 
 def open_layers(f: GGUFFile, hp: HParams, expected: dict[str, Expect], layer_refs, merge: bool) -> ModelRefs:
@@ -258,6 +338,22 @@ class LayerRefs:
     # (another type): a LayerRefs of its own with gate/up/down (1, ff, k) and (1, d, ff)
     exp_probs_b: TensorRef | None = None
     shared: "LayerRefs | None" = None
+    # deepseek2: the latent attention's own tensors (wq is attn_q or q_b; wk, wv None)
+    mla: "MlaRefs | None" = None
+
+
+@dataclass
+class MlaRefs:
+    """A layer's latent attention (runtime.arch.MLA): kv_a (r + dr, d) gives the latent and
+    the shared RoPE key, kv_a_norm (r,) norms the latent, k_b (H, r, dn) takes each head's
+    nope query into the latent, v_b (H, dv, r) each head's output out of it; q_a (q_lora,
+    d) and q_a_norm where q is low-rank (then the layer's wq is q_b)."""
+    kv_a: TensorRef
+    kv_a_norm: TensorRef
+    k_b: TensorRef
+    v_b: TensorRef
+    q_a: TensorRef | None = None
+    q_a_norm: TensorRef | None = None
 
 
 @dataclass
@@ -271,4 +367,4 @@ class ModelRefs:
     def attention_quantized(self) -> bool:
         """Every q, k, v and output projection quantized: the prompt attention may then run
         on f16 tensor cores (runtime.prompt_attention)."""
-        return all(t.quantized for L in self.layers for t in (L.wq, L.wk, L.wv, L.wo))
+        return all(t.quantized for L in self.layers for t in (L.wq, L.wk, L.wv, L.wo) if t is not None)

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .arch import (HParams, LayerRefs, ModelRefs, append_shared, as_one_expert, common_hparams, open_layers,
-                   pick_gate_up)
+from .arch import HParams, LayerRefs, ModelRefs, common_hparams, ffn_refs, open_layers, shared_rides
 from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "glm4moe"
@@ -151,22 +150,6 @@ def _check_biases(f: GGUFFile, hp: HParams) -> None:
             raise GGUFError(f"{f.path}: layer {i} has a norm for one of q and k but not the other")
 
 
-def shared_rides(types: dict[str, str], layers: range) -> bool:
-    """Whether the shared expert joins the routed ones (Gating.shared is the model's, so in
-    every one of `layers` or in none): each of its gate, up and down has the type of the
-    routed tensor it joins, and gate and up are separate (a file's merged ffn_gate_up_exps
-    has no gate rows to append to). types: tensor name -> type (the loader's, the tuner's)."""
-    for i in layers:
-        b = f"blk.{i}."
-        if b + "ffn_gate_up_exps.weight" in types:
-            return False
-        for p in ("gate", "up", "down"):
-            s, e = types.get(f"{b}ffn_{p}_shexp.weight"), types.get(f"{b}ffn_{p}_exps.weight")
-            if s is not None and e is not None and s != e:
-                return False
-    return True
-
-
 def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     """Validate everything, read nothing: a wrong file fails before any upload."""
     hp, n_blocks = read_hparams(f)
@@ -184,28 +167,7 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
                       T[b + "attn_v.weight"], T[b + "attn_output.weight"], opt(b + "attn_q_norm.weight"),
                       opt(b + "attn_k_norm.weight"), T[b + "post_attention_norm.weight"], None, None,
                       bq=opt(b + "attn_q.bias"), bk=opt(b + "attn_k.bias"), bv=opt(b + "attn_v.bias"))
-        if i < hp.n_dense_lead:
-            L.down = as_one_expert(T[b + "ffn_down.weight"])
-            pick_gate_up(L, as_one_expert(T[b + "ffn_gate.weight"]), as_one_expert(T[b + "ffn_up.weight"]),
-                         merge, b + "ffn_gate_up.weight")
-            return L
-        L.router, L.exp_probs_b = T[b + "ffn_gate_inp.weight"], T[b + "exp_probs_b.bias"]
-        if ride:
-            L.down = append_shared(T[b + "ffn_down_exps.weight"], T[b + "ffn_down_shexp.weight"],
-                                   b + "ffn_down_exps.weight")
-            pick_gate_up(L, append_shared(T[b + "ffn_gate_exps.weight"], T[b + "ffn_gate_shexp.weight"],
-                                          b + "ffn_gate_exps.weight"),
-                         append_shared(T[b + "ffn_up_exps.weight"], T[b + "ffn_up_shexp.weight"],
-                                       b + "ffn_up_exps.weight"), merge, b + "ffn_gate_up_exps.weight")
-            return L
-        L.down = T[b + "ffn_down_exps.weight"]
-        if apart:
-            S = LayerRefs(None, None, None, None, None, None, None, None, None,
-                          as_one_expert(T[b + "ffn_down_shexp.weight"]))
-            pick_gate_up(S, as_one_expert(T[b + "ffn_gate_shexp.weight"]), as_one_expert(T[b + "ffn_up_shexp.weight"]),
-                         merge, b + "ffn_gate_up_shexp.weight")
-            L.shared = S
-        return L   # the routed gate and up: open_layers (set_gate_up)
+        return ffn_refs(L, T, b, i < hp.n_dense_lead, ride, apart, merge)
 
     refs = open_layers(f, run_hp, expected, layer, merge)
     return refs

@@ -46,6 +46,17 @@ class LayerWeights:
     down_b: object = None      # (E, d)
     exp_probs_b: object = None  # (E,): the router's selection bias (runtime.arch.Gating)
     shared: "LayerWeights | None" = None   # a shared expert of its own (runtime.arch.LayerRefs.shared)
+    mla: "MlaWeights | None" = None         # deepseek2's latent attention (runtime.arch.MlaRefs)
+
+
+@dataclass
+class MlaWeights:
+    kv_a: object
+    kv_a_norm: object
+    k_b: object
+    v_b: object
+    q_a: object = None
+    q_a_norm: object = None
 
 
 @dataclass
@@ -139,8 +150,12 @@ class Backend:
         if L.attn_norm is None:   # a shared expert's own FFN: only its products
             return LayerWeights(None, None, None, None, None, None, None, None, None, M(L.down),
                                 gate_up=opt(L.gate_up, M), gate=opt(L.gate, M), up=opt(L.up, M))
-        wqkv = self.stacked_qkv(L)
-        wq, wk, wv = (None, None, None) if wqkv is not None else (M(L.wq), M(L.wk), M(L.wv))
+        wqkv = None if L.mla else self.stacked_qkv(L)
+        wq, wk, wv = (None, None, None) if wqkv is not None else (M(L.wq), opt(L.wk, M), opt(L.wv, M))
+        mla = None
+        if L.mla is not None:
+            A = L.mla
+            mla = MlaWeights(M(A.kv_a), V(A.kv_a_norm), M(A.k_b), M(A.v_b), opt(A.q_a, M), opt(A.q_a_norm))
         bq, bk, bv = opt(L.bq), opt(L.bk), opt(L.bv)
         return LayerWeights(
             V(L.attn_norm), wq, wk, wv, M(L.wo), opt(L.q_norm), opt(L.k_norm),
@@ -149,7 +164,7 @@ class Backend:
             bq=bq, bk=bk, bv=bv, bqkv=None if wqkv is None or bq is None else self.xp.concatenate([bq, bk, bv]),
             bo=opt(L.bo), sinks=opt(L.sinks), router_b=opt(L.router_b), gate_b=opt(L.gate_b),
             up_b=opt(L.up_b), down_b=opt(L.down_b), exp_probs_b=opt(L.exp_probs_b),
-            shared=None if L.shared is None else self._layer(L.shared))
+            shared=None if L.shared is None else self._layer(L.shared), mla=mla)
 
     def new_cache(self, n_ctx: int, max_pass: int | None = None) -> KVCache:
         """max_pass: the most tokens a pass will store; with it, sliding-window layers keep
@@ -190,6 +205,46 @@ class Backend:
         self.rope_(q, pos, hp.n_head, hp.rope_base)
         self.rope_(k, pos, hp.n_head_kv, hp.rope_base)
         self.kv_store_(cache, il, k, v, pos, pos0)
+
+    # -- deepseek2's latent attention (runtime.arch.MLA) --------------------------------------
+    def mla_query(self, L: LayerWeights, x):
+        """Each head's query (n, H (dn + dr)): from x, or through the low-rank q_a and its norm."""
+        A = L.mla
+        if A.q_a is None:
+            return self.matmul(L.wq, x, "q")
+        return self.matmul(L.wq, self.rms_norm(self.matmul(A.q_a, x, "q_a"), A.q_a_norm, self.hp.rms_eps, "q_a_n"), "q")
+
+    def mla_rope_store_(self, cache, il, q, kv, L: LayerWeights, pos, pos0):
+        """RoPE (adjacent pairs, YaRN where hp.yarn says) of each head's last dr query values
+        in place and of kv's shared key (its last dr); kv's latent RMS-normed; the key row
+        [latent, key] into the cache, the latent as the value row."""
+        hp, xp = self.hp, self.xp
+        m, n = hp.mla, q.shape[0]
+        r, dn, dr = m.kv_lora_rank, m.nope_dim, m.rope_dim
+        qh = q.reshape(n, hp.n_head, dn + dr)
+        q_pe = xp.ascontiguousarray(qh[..., dn:]).reshape(n, hp.n_head * dr)
+        self.rope_(q_pe, pos, hp.n_head, hp.rope_base, hp.yarn, pairs="adjacent")
+        qh[..., dn:] = q_pe.reshape(n, hp.n_head, dr)
+        k_pe = xp.ascontiguousarray(kv[:, r:])
+        self.rope_(k_pe, pos, 1, hp.rope_base, hp.yarn, pairs="adjacent")
+        latent = self.rms_norm(xp.ascontiguousarray(kv[:, :r]), L.mla.kv_a_norm, hp.rms_eps, "latent")
+        self.kv_store_(cache, il, xp.concatenate([latent, k_pe], axis=1), latent, pos, pos0)
+
+    def _head_ids(self, n: int):
+        return self.xp.broadcast_to(self.xp.arange(self.hp.n_head, dtype=np.int32), (n, self.hp.n_head))
+
+    def mla_absorb(self, L: LayerWeights, q, name):
+        """Each head's query in the latent's space: [k_b[h] q_nope[h], q_pe[h]], (n, H (r + dr))."""
+        hp, xp = self.hp, self.xp
+        m, n = hp.mla, q.shape[0]
+        qh = q.reshape(n, hp.n_head, m.q_head)
+        lat = self.mul_mat_id(L.mla.k_b, xp.ascontiguousarray(qh[..., :m.nope_dim]), self._head_ids(n), name)
+        return xp.concatenate([lat, qh[..., m.nope_dim:]], axis=-1).reshape(n, -1)
+
+    def mla_expand(self, L: LayerWeights, a, name):
+        """Each head's attention output (n, H r) out of the latent's space: (n, H dv)."""
+        n = a.shape[0]
+        return self.mul_mat_id(L.mla.v_b, a.reshape(n, self.hp.n_head, -1), self._head_ids(n), name).reshape(n, -1)
 
     def route_tokens(self, router, x, gating, bias=None, sel_bias=None):
         """Router logits (plus their bias), then each token's experts and weights as gating

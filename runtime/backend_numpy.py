@@ -130,9 +130,10 @@ class NumpyBackend(Backend):
         n = x.shape[0]
         x[...] = self.rms_norm(x.reshape(n * n_heads, -1), w, eps, None).reshape(x.shape)
 
-    def rope_(self, x, pos, n_heads, base, yarn=None, n_rot=None):
+    def rope_(self, x, pos, n_heads, base, yarn=None, n_rot=None, pairs="neox"):
         """NEOX: pairs (i, i + r/2) of each head's first r = n_rot dimensions (all where None)
-        rotate by pos * base^(-2i/r); the rest stay. The angles follow ggml's float32
+        rotate by pos * base^(-2i/r); the rest stay; pairs="adjacent": pairs (2i, 2i + 1)
+        (ggml's NORM mode, DeepSeek's). The angles follow ggml's float32
         recurrence (theta *= base^(-2/r)), which is what llama.cpp's CPU uses; with YaRN
         (runtime.arch.YaRN) each pair's angle mixes the interpolated and the original one by
         ggml's ramp, and cos and sin are scaled by its mscale."""
@@ -152,8 +153,13 @@ class NumpyBackend(Backend):
         c = np.cos(theta.astype(_F64))[:, None, :] * mscale
         s = np.sin(theta.astype(_F64))[:, None, :] * mscale
         xh = x.reshape(n, n_heads, hd).astype(_F64)
-        x0, x1 = xh[..., :half], xh[..., half:rot]
-        out = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c, xh[..., rot:]], axis=-1)
+        if pairs == "adjacent":
+            x0, x1 = xh[..., 0:rot:2], xh[..., 1:rot:2]
+            out = xh.copy()
+            out[..., 0:rot:2], out[..., 1:rot:2] = x0 * c - x1 * s, x0 * s + x1 * c
+        else:
+            x0, x1 = xh[..., :half], xh[..., half:rot]
+            out = np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c, xh[..., rot:]], axis=-1)
         x[...] = out.reshape(x.shape).astype(np.float32)
 
     def ring_layer(self, rows, n_ctx, kv_dim, dtype):
@@ -172,7 +178,7 @@ class NumpyBackend(Backend):
         # there (on an sm_80+ card, the generations moeforge builds for: codegen.compile.ARCHS)
         on_tc = prompt_attention.tensor_core(prompt_attention.kernel_for(self.hp, "8.0", self.attn_precision,
                                                                          cache=self.cache_type))
-        self.attn_tc = self.attn_precision if self.numerics == "kernel" and on_tc else None
+        self.attn_tc = self.attn_precision if self.numerics == "kernel" and on_tc and not self.hp.mla else None
         return weights
 
     def attention(self, cache, il, q, pos, pos0, n, name, sinks=None, window: int = 0):
@@ -180,16 +186,16 @@ class NumpyBackend(Backend):
         each softmax's denominator with no value (gpt-oss); window > 0: a query at p sees
         only keys j with p - j < window."""
         hp = self.hp
-        L, hd, g = pos0 + n, hp.head_dim, hp.n_head // hp.n_head_kv
+        L, hd, dv, g = pos0 + n, hp.head_dim, hp.v_dim, hp.n_head // hp.n_head_kv
         # a ring's rows of positions before the window hold later ones: masked like any key
         kc, vc = cache.k[il][rows_of(cache.k[il], 0, L)], cache.v[il][rows_of(cache.v[il], 0, L)]
         if n > 1 and self.attn_tc:
             return prompt_attention.attention_tc(q, kc, vc, hp, pos0, self.attn_tc,
                                                  sinks=sinks, window=window).astype(np.float32)
         K = kc.reshape(L, hp.n_head_kv, hd).astype(_F64)
-        V = vc.reshape(L, hp.n_head_kv, hd).astype(_F64)
+        V = vc.reshape(L, hp.n_head_kv, dv).astype(_F64)
         qh = q.reshape(n, hp.n_head_kv, g, hd).astype(_F64)
-        s = np.einsum("nhgd,lhd->hgnl", qh, K) / np.sqrt(hd)
+        s = np.einsum("nhgd,lhd->hgnl", qh, K) * hp.kq_scale
         gap = (pos0 + np.arange(n))[:, None] - np.arange(L)[None, :]
         s[..., (gap < 0) | (window > 0) & (gap >= window)] = -np.inf
         top = s.max(axis=-1, keepdims=True)
@@ -200,7 +206,7 @@ class NumpyBackend(Backend):
             extra = np.exp(sk - top)[..., 0]
         p = np.exp(s - top)
         p /= (p.sum(axis=-1) + extra)[..., None]
-        return np.einsum("hgnl,lhd->nhgd", p, V).reshape(n, hp.q_dim).astype(np.float32)
+        return np.einsum("hgnl,lhd->nhgd", p, V).reshape(n, hp.n_head * dv).astype(np.float32)
 
     def matmul(self, w, x, name, bias=None):
         """x @ w.T (+ bias: added to the float32 product, as ggml adds it)."""

@@ -61,7 +61,9 @@ class KVCache:
         self.windows = tuple(hp.window(il) if rows[il] < n_ctx else 0 for il in range(hp.n_layer))
         full = [il for il in range(hp.n_layer) if rows[il] == n_ctx]
         # the layers that hold every position share one allocation
-        kf, vf = (xp.zeros((len(full), n_ctx, hp.kv_dim), dtype=dtype) for _ in range(2))
+        kf = xp.zeros((len(full), n_ctx, hp.kv_dim), dtype=dtype)
+        # latent attention (runtime.arch.MLA): the value row is the key row's first values
+        vf = kf[..., :hp.v_dim] if hp.mla else xp.zeros((len(full), n_ctx, hp.kv_dim), dtype=dtype)
         k, v = [None] * hp.n_layer, [None] * hp.n_layer
         for j, il in enumerate(full):
             k[il], v[il] = kf[j], vf[j]
@@ -71,7 +73,7 @@ class KVCache:
                 v[il] = ring_layer(rows[il], n_ctx, hp.kv_dim, dtype)
         self.k, self.v = tuple(k), tuple(v)
         self.dtype = dtype
-        self.nbytes = 2 * row_bytes * sum(rows)
+        self.nbytes = (1 if hp.mla else 2) * row_bytes * sum(rows)
 
     @property
     def rings(self) -> int:

@@ -31,7 +31,17 @@ _O200K = "|".join([
 # GLM-4's split (llama.cpp's "glm4"): Llama 3's, digits in runs of up to three
 _GLM4 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
          r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2, "gpt-4o": _O200K, "glm4": _GLM4}
+# DeepSeek-LLM's (DeepSeek-V2's; llama.cpp's "deepseek-llm"): not one pattern but six splits
+# in turn, each of the pieces the ones before left: newlines alone; a space and a run of
+# cased letters (Latin, Greek, Cyrillic, ... and their fullwidth forms: the letters with case,
+# not CJK's); a space and a run of ASCII or fullwidth punctuation and symbols, curly quotes
+# and the ideographic space and full stops; trailing whitespace; runs of CJK ideographs and
+# Hangul (and the scripts from U+0800 to U+4E00); digit runs of any length
+_DEEPSEEK_LLM = (r"[\r\n]", r"\s?[\p{Lu}\p{Ll}\p{Lt}]+",
+                 "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
+                 "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}+")
+PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2, "gpt-4o": _O200K, "glm4": _GLM4,
+                "deepseek-llm": _DEEPSEEK_LLM}
 # vocabularies whose pieces are taken whole where the vocabulary holds them, before any
 # merge (llama.cpp's ignore_merges), and that never start with a BOS token
 WHOLE_PIECES = ("glm4",)
@@ -84,8 +94,9 @@ class Tokenizer:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in WHOLE_PIECES)
         tok = HFTokenizer(bpe)
+        splits = PRE_PATTERNS[pre] if isinstance(PRE_PATTERNS[pre], tuple) else (PRE_PATTERNS[pre],)
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(PRE_PATTERNS[pre]), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
         tok.decoder = decoders.ByteLevel()

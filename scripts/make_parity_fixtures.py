@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the llama.cpp parity fixtures (tests/fixtures/parity/).
 
-Writes tiny qwen3moe, gpt-oss and glm4moe GGUF files with moeforge's synth writer (seeded float weights,
+Writes tiny qwen3moe, gpt-oss, glm4moe and deepseek2 GGUF files with moeforge's synth writer (seeded float weights,
 quantized by gguf's reference quantizer, q4_K and q6_K by moeforge's own: bit-identical on
 every run; the K-quant files are a wider model, rows of whole super-blocks), evaluates them with
 llama.cpp on the CPU through llama-cpp-python (F32 KV cache, flash attention off, one
@@ -79,9 +79,25 @@ SPEC_GLM = dict(n_vocab=384, n_embd=128, n_layer=3, n_head=6, n_head_kv=2, head_
 FIXTURES_GLM = {"glm-f32": dict(qtype="f32"), "glm-q8_0": dict(qtype="q8_0"), "glm-q4_0": dict(qtype="q4_0")}
 SPEC_GLM_QK = dict(SPEC_GLM, qk_norm=True)
 FIXTURES_GLM_QK = {"glm-qk-f32": dict(qtype="f32"), "glm-qk-q8_0": dict(qtype="q8_0")}
+# deepseek2 (DeepSeek-V2-Lite's graph): latent attention absorbed (a latent of 64 and a
+# shared RoPE key of 16 a token; 4 heads of 32 + 16 query values, 32 value ones), RoPE on
+# adjacent pairs with YaRN (factor 4 from 64 positions, mscale_all_dim 0.707: the softmax
+# scale grows with it), a dense first layer, softmax routing without renormalising, two
+# shared experts as one FFN beside the routed ones; ds_qlora: q through a low rank of 96
+SPEC_DS = dict(n_vocab=384, n_embd=128, n_layer=3, n_head=4, n_head_kv=1, head_dim=48, n_ff_exp=64,
+               n_expert=8, n_expert_used=3, n_ctx=256, rope_base=10000.0, rms_eps=1e-6, n_ff=192,
+               arch="deepseek2", n_rot=16, n_expert_shared=2, n_dense_lead=1, routed_scale=1.0,
+               yarn_factor=4.0, yarn_orig_ctx=64, kv_lora_rank=64, v_head_dim=32, yarn_log_mul=0.707)
+# its quantized files differ from llama.cpp's by up to ~0.1 in a logit (five products a
+# layer's attention, each on q8_0 activations there): tokens keep a wider lead
+MIN_MARGIN_DS = 0.25
+FIXTURES_DS = {"ds-f32": dict(qtype="f32"), "ds-q8_0": dict(qtype="q8_0"), "ds-q4_0": dict(qtype="q4_0")}
+SPEC_DS_QLORA = dict(SPEC_DS, q_lora_rank=96)
+FIXTURES_DS_QLORA = {"ds-qlora-f32": dict(qtype="f32")}
 GROUPS = {"base": (SPEC, FIXTURES, MIN_MARGIN), "k": (SPEC_K, FIXTURES_K, MIN_MARGIN_K),
           "k_m": (SPEC_K, FIXTURES_KM, MIN_MARGIN_K), "oss": (SPEC_OSS, FIXTURES_OSS, MIN_MARGIN),
-          "glm": (SPEC_GLM, FIXTURES_GLM, MIN_MARGIN_K), "glm_qk": (SPEC_GLM_QK, FIXTURES_GLM_QK, MIN_MARGIN_K)}
+          "glm": (SPEC_GLM, FIXTURES_GLM, MIN_MARGIN_K), "glm_qk": (SPEC_GLM_QK, FIXTURES_GLM_QK, MIN_MARGIN_K),
+          "ds": (SPEC_DS, FIXTURES_DS, MIN_MARGIN_DS), "ds_qlora": (SPEC_DS_QLORA, FIXTURES_DS_QLORA, MIN_MARGIN_K)}
 
 
 def weights_sha256(path: str) -> str:
@@ -170,24 +186,30 @@ def choose_tokens(paths: dict, rng: np.random.Generator, tries: int, n_vocab: in
     return np.asarray(tokens, dtype=np.int32)
 
 
+# each of deepseek-llm's splits at work: newlines alone, cased letters after a space
+# (Latin, Greek, Cyrillic, fullwidth), punctuation runs (ASCII, fullwidth, curly quotes, the
+# ideographic full stop), trailing spaces, CJK and Hangul runs, long digit runs
+DEEPSEEK_TEXTS = ["Hello world's 1234567 CAPS\n\n  x", "αβγ Привет ＡＢＣ！！ “quoted”。", "中文字符 한국어 text 99",
+                  "  a\tb\r\nc   ", "x=(y+1)*2; // done...  ", "ǅemal ʕayn µm 3.14159"]
 GLM4_TEXTS = ["Hello world's 12345 CAPS\n\n  x", "yueifa yudrcu lyt wdgeo", "Ünïcødé ✓ 中文 🙂 123456 don'T",
               "  a\tb\r\nc   ", "yu yuk yueip yueiph ie"]
 
 
-def glm4_tokens(out: str) -> None:
-    """llama.cpp's token ids for GLM4_TEXTS under the "glm4" pre-tokenizer (its split, whole
-    pieces before merges, no BOS), on the glm-f32 fixture's vocabulary."""
+def pre_tokenizer_ids(out: str, pre: str, texts: list[str], spec: dict, fixture: dict, file: str) -> None:
+    """llama.cpp's token ids for texts under the pre-tokenizer `pre` (with a BOS where the
+    vocabulary adds one), on a fixture's vocabulary: glm4's split (whole pieces before
+    merges, no BOS) on glm-f32's, deepseek-llm's six splits on ds-f32's."""
     import llama_cpp
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from conftest import rewrite
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "glm.gguf")
-        write_fixture_model(src, {"spec": SPEC_GLM, "seed": SEED, "args": FIXTURES_GLM["glm-f32"]})
-        p = rewrite(src, os.path.join(tmp, "glm4.gguf"), kv=lambda k, v, t: "glm4" if k == "tokenizer.ggml.pre" else v)
+        src = os.path.join(tmp, "src.gguf")
+        write_fixture_model(src, {"spec": spec, "seed": SEED, "args": fixture})
+        p = rewrite(src, os.path.join(tmp, "pre.gguf"), kv=lambda k, v, t: pre if k == "tokenizer.ggml.pre" else v)
         llm = llama_cpp.Llama(p, vocab_only=True, verbose=False)
-        ids = [llm.tokenize(t.encode(), add_bos=True, special=False) for t in GLM4_TEXTS]
-    with open(os.path.join(out, "glm4-tokens.json"), "w") as fh:
-        json.dump({"texts": GLM4_TEXTS, "ids": ids}, fh, indent=1)
+        ids = [llm.tokenize(t.encode(), add_bos=True, special=False) for t in texts]
+    with open(os.path.join(out, file), "w") as fh:
+        json.dump({"texts": texts, "ids": ids}, fh, indent=1)
         fh.write("\n")
 
 
@@ -212,7 +234,10 @@ def main(argv=None) -> int:
         if make_group(args, manifest, spec, fixtures, min_margin, llama_cpp.__version__):
             return 1
         if group == "glm":
-            glm4_tokens(args.out)
+            pre_tokenizer_ids(args.out, "glm4", GLM4_TEXTS, SPEC_GLM, FIXTURES_GLM["glm-f32"], "glm4-tokens.json")
+        if group == "ds":
+            pre_tokenizer_ids(args.out, "deepseek-llm", DEEPSEEK_TEXTS, SPEC_DS, FIXTURES_DS["ds-f32"],
+                              "deepseek-llm-tokens.json")
     with open(mpath, "w") as fh:
         json.dump(manifest, fh, indent=1, sort_keys=True)
         fh.write("\n")

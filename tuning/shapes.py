@@ -58,14 +58,15 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
         vals[k] = int(v)
     E, top_k = vals["expert_count"], vals["expert_used_count"]
     ff, embd = vals["expert_feed_forward_length"], vals["embedding_length"]
-    from ..runtime.arch_glm4moe import shared_rides
+    from ..runtime.arch import shared_rides
     tensors = {t.name: t for t in reader.tensors}
     types = {name: type_name(t.tensor_type) for name, t in tensors.items()}
     # glm4moe: the blocks of the prediction head are never run; a shared expert whose types
-    # are the routed ones' rides with them as one more expert and slot (the loader's rule)
+    # are the routed ones' rides with them as one more expert and slot (the loaders' rule)
     trunk = int(field(f"{arch}.block_count") or 0) - int(field(f"{arch}.nextn_predict_layers") or 0)
     shared = int(field(f"{arch}.expert_shared_count") or 0)
-    ride = shared and shared_rides(types, range(int(field(f"{arch}.leading_dense_block_count") or 0), trunk))
+    # (one shared expert at most: several are one wider FFN, apart)
+    ride = shared == 1 and shared_rides(types, range(int(field(f"{arch}.leading_dense_block_count") or 0), trunk))
 
     def run(name: str) -> bool:
         block = name.split(".")[1] if name.startswith("blk.") else ""

@@ -160,3 +160,29 @@ def test_glm4_matches_llama_cpp(parity_models):
     f.metadata["tokenizer.ggml.pre"] = "glm4"
     tok = Tokenizer.from_gguf(f)
     assert [tok.encode(t) for t in want["texts"]] == want["ids"]
+
+
+def test_deepseek_llm_matches_llama_cpp(parity_models):
+    """llama.cpp's ids (tests/fixtures/parity/deepseek-llm-tokens.json, from llama-cpp-python
+    0.3.36) for texts on the ds-f32 fixture's vocabulary with the "deepseek-llm"
+    pre-tokenizer: its six splits in turn (newlines, cased letters, punctuation runs,
+    trailing spaces, CJK and Hangul, digit runs of any length)."""
+    import json
+    import os
+    from conftest import PARITY_DIR
+    from moeforge.runtime.tokenizer import Tokenizer
+    with open(os.path.join(PARITY_DIR, "deepseek-llm-tokens.json")) as fh:
+        want = json.load(fh)
+    f = GGUFFile(parity_models["ds-f32"]["path"])
+    f.metadata["tokenizer.ggml.pre"] = "deepseek-llm"
+    tok = Tokenizer.from_gguf(f)
+    assert [tok.encode(t) for t in want["texts"]] == want["ids"]
+    # the fixture's few merges rarely cross a split, so the pieces themselves, as the six
+    # rules in turn cut them (a space stays off a digit run, punctuation runs keep one
+    # leading space, trailing spaces end as one piece, CJK and Hangul runs stand alone)
+    pieces = {"Hello world's 1234567 CAPS\n\n  x": ["Hello", " world", "'", "s", " ", "1234567", " CAPS", "\n", "\n",
+                                                 " ", " x"],
+              "中文字符 한국어 text 99": ["中文字符", " ", "한국어", " text", " ", "99"],
+              "x=(y+1)*2; // done...  ": ["x", "=(", "y", "+", "1", ")*", "2", ";", " //", " done", "...", "  "]}
+    for text, want_pieces in pieces.items():
+        assert [text[a:b] for _, (a, b) in tok._tok.pre_tokenizer.pre_tokenize_str(text)] == want_pieces

@@ -1,0 +1,164 @@
+"""deepseek2 (DeepSeek-V2-Lite's graph) on the numpy backend: llama.cpp's logits on tiny
+fixtures (tests/fixtures/parity: latent attention absorbed, RoPE on adjacent pairs with
+YaRN, a dense first layer, softmax routing, two shared experts; ds-qlora-*: q through a low
+rank), the features each fixture rests on, the one-row cache, and what loading refuses."""
+import math
+
+import numpy as np
+import pytest
+
+from conftest import assert_cache_consistent, kl_per_token, rewrite
+from moeforge.runtime.gguf_file import GGUFError
+from moeforge.runtime.model import load_model
+from moeforge.synth import preset, tensor_plan, write_model
+
+F32_BAR = 1e-4
+
+
+@pytest.mark.parametrize("name", ["ds-f32", "ds-qlora-f32"])
+def test_f32_matches_llama_cpp(parity_models, name):
+    fx = parity_models[name]
+    got = load_model(fx["path"], backend="numpy").logits(fx["tokens"])
+    assert got.dtype == np.float32 and got.shape == fx["logits"].shape
+    err = np.abs(got - fx["logits"]).max()
+    assert err < F32_BAR, f"max abs difference {err:.3e} vs llama.cpp"
+
+
+@pytest.mark.parametrize("name", ["ds-q8_0", "ds-q4_0"])
+@pytest.mark.parametrize("numerics", ["float", "kernel"])
+def test_quantized_close_to_llama_cpp(parity_models, name, numerics):
+    """The GPU runtime's bar: the same top-1 everywhere, mean KL below 1e-3 (llama-cpp-python
+    0.3.36: 1.5e-4 to 1.9e-4, either numerics)."""
+    fx = parity_models[name]
+    got = load_model(fx["path"], backend="numpy", numerics=numerics).logits(fx["tokens"])
+    assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
+    kl = kl_per_token(fx["logits"], got).mean()
+    assert kl < 1e-3, f"mean KL {kl:.2e}"
+
+
+CHANGES = {
+    # the softmax scale falls back to 1/sqrt(48) and RoPE keeps YaRN's own magnitude
+    "no yarn log multiplier": dict(kv={"deepseek2.rope.scaling.yarn_log_multiplier": None}),
+    "no yarn": dict(kv={"deepseek2.rope.scaling.type": "none"}),
+    "renormalised weights": dict(kv={"deepseek2.expert_weights_norm": True}),
+    "sigmoid routing": dict(kv={"deepseek2.expert_gating_func": 2}),
+    "no latent norm": dict(one="attn_kv_a_norm.weight"),
+    "no shared key": dict(zero_rows=("attn_kv_a_mqa.weight", 64)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_f32_fixture_depends_on_each_feature(parity_models, tmp_path, change):
+    """Without any one of deepseek2's features the numpy backend is far off llama.cpp's F32
+    logits: the bar holds because both apply each of them, the same way."""
+    fx = parity_models["ds-f32"]
+    c = CHANGES[change]
+    kv = c.get("kv", {})
+
+    def tensors(name, a, t):
+        if "one" in c and name.endswith(c["one"]):
+            a = np.ones_like(a)
+        if "zero_rows" in c and name.endswith(c["zero_rows"][0]):
+            a = a.copy()
+            a[c["zero_rows"][1]:] = 0
+        return [(name, a, t)]
+
+    def edit(k, v, t):
+        return kv.get(k, v) if k in kv else v
+    path = rewrite(fx["path"], str(tmp_path / "changed.gguf"), tensors=tensors, kv=edit)
+    got = load_model(path, backend="numpy").logits(fx["tokens"])
+    err = np.abs(got - fx["logits"]).max()
+    assert err > 100 * F32_BAR, f"{change}: max abs difference only {err:.2e}"
+
+
+def test_kv_cache_consistency(parity_models):
+    """All at once == token by token == in uneven chunks."""
+    fx = parity_models["ds-q8_0"]
+    m = load_model(fx["path"], backend="numpy")
+    assert_cache_consistent(m, fx["tokens"][:20], (3, 4, 13, 20))
+
+
+def test_cache_holds_one_latent_row_a_token(parity_models):
+    """A token and layer keep kv_lora_rank + rope_dim values (80 here, where the heads'
+    keys and values would take 4 x (48 + 32) = 320); the value row is a view of the key
+    row's first kv_lora_rank, not a copy."""
+    fx = parity_models["ds-f32"]
+    m = load_model(fx["path"], backend="numpy", n_ctx=64)
+    hp = m.hp
+    assert (hp.n_head_kv, hp.head_dim, hp.v_dim) == (1, 80, 64)
+    k, v = m.cache.k[0], m.cache.v[0]
+    assert k.shape == (64, 80) and v.shape == (64, 64) and np.shares_memory(k, v)
+    assert m.cache.nbytes == 64 * 80 * 4 * hp.n_layer
+    m.logits(fx["tokens"][:5])
+    np.testing.assert_array_equal(v[:5], k[:5, :64])
+    assert np.abs(k[:5]).min(axis=1).max() > 0 and not k[5:].any()
+
+
+def test_hparams_and_layers(parity_models):
+    """Layer 0 dense (one expert), the two shared experts one FFN apart (2 x 64 wide), no
+    renormalising, softmax; llama.cpp's softmax scale for YaRN: (1 + 0.1 x 0.707 ln 4)^2 /
+    sqrt(48)."""
+    fx = parity_models["ds-f32"]
+    m = load_model(fx["path"], backend="numpy")
+    hp, spec = m.hp, fx["entry"]["spec"]
+    assert m.arch == "deepseek2" and hp.n_layer == spec["n_layer"] == len(m.weights.layers)
+    g = hp.gating
+    assert (g.func, g.norm, g.scale, g.shared) == ("softmax", False, 1.0, 0)
+    dense, moe = m.weights.layers[0], m.weights.layers[1]
+    assert dense.router is None and dense.gate_up.shape == (1, 2 * hp.n_ff, hp.n_embd)
+    assert moe.shared is not None and moe.shared.gate_up.shape == (1, 2 * 2 * hp.n_ff_exp, hp.n_embd)
+    assert moe.mla.k_b.shape == (4, 64, 32) and moe.mla.v_b.shape == (4, 32, 64) and moe.mla.q_a is None
+    assert hp.mla.kq_scale == pytest.approx((1 + 0.0707 * math.log(4)) ** 2 / math.sqrt(48), rel=1e-6)
+    assert hp.yarn.mscale() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_v2_lite_softmax_scale(tmp_path):
+    """DeepSeek-V2-Lite's YaRN (factor 40 from 4096, mscale_all_dim 0.707, 192-wide query
+    heads) gives llama.cpp's softmax scale 0.1147214 (not 1/sqrt(192) = 0.0722); the
+    preset's shapes on a model of two small layers."""
+    spec = preset("deepseek-v2-lite", n_vocab=384, n_embd=128, n_layer=2, n_expert=4, n_expert_used=2,
+                  n_ff_exp=64, n_ff=128, kv_lora_rank=64, n_head=2)
+    path = str(tmp_path / "lite.gguf")
+    write_model(path, spec, "q8_0")
+    m = load_model(path, backend="numpy")
+    assert m.hp.mla.kq_scale == pytest.approx(0.1147214, rel=1e-5)
+    assert (m.hp.mla.nope_dim, m.hp.mla.rope_dim, m.hp.mla.v_dim) == (128, 64, 128)
+    assert np.isfinite(m.logits([1, 2, 3])).all()
+
+
+def test_v2_lite_preset_is_v2_lite_sized():
+    """15.7B parameters, as DeepSeek-V2-Lite's card says."""
+    n = sum(math.prod(shape) for _, shape, _ in tensor_plan(preset("deepseek-v2-lite"), "q4_0"))
+    assert 15.5e9 < n < 16.0e9, n
+
+
+def test_cuda_backend_refuses_it_clearly(parity_models):
+    """No CUDA kernels for latent attention yet: said before any upload, without a GPU."""
+    with pytest.raises(GGUFError, match="numpy backend only.*MLA"):
+        load_model(parity_models["ds-f32"]["path"], backend="cuda")
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(drop_kv="deepseek2.attention.key_length_mla"), "convert the model again"),
+    (dict(drop="blk.1.attn_k_b.weight"), "attn_k_b"),
+    (dict(kv={"deepseek2.attention.head_count_kv": 4}), "head_count_kv 1"),
+    (dict(kv={"deepseek2.rope.scaling.type": "linear"}), "not supported"),
+    (dict(kv={"deepseek2.expert_gating_func": 3}), "expert_gating_func 3"),
+    (dict(add=[("deepseek2.expert_group_count", 2)]), "group-limited"),
+])
+def test_bad_files_are_reported(parity_models, tmp_path, change, match):
+    from gguf import GGUFValueType
+    fx = parity_models["ds-q8_0"]
+    kv = change.get("kv", {})
+
+    def edit(k, v, t):
+        if k == change.get("drop_kv"):
+            return None
+        return kv.get(k, v)
+
+    def tensors(name, a, t):
+        return [] if name == change.get("drop") else [(name, a, t)]
+    add = [(k, v, GGUFValueType.UINT32) for k, v in change.get("add", [])]
+    path = rewrite(fx["path"], str(tmp_path / "bad.gguf"), tensors=tensors, kv=edit, add=add)
+    with pytest.raises(GGUFError, match=match):
+        load_model(path, backend="numpy")
