@@ -5,10 +5,12 @@ It follows llama.cpp's graph for this architecture with latent attention absorbe
 the latent and the shared RoPE key from kv_a; RoPE, the latent's norm and the cache row;
 the queries taken into the latent's space (k_b), attention of all heads over the one
 latent key row, the outputs taken out of it (v_b), the output projection. The FFN is
-glm4moe's (runtime.graph_glm4moe): dense layers as one expert, shared experts beside the
-routed ones.
+glm4moe's (runtime.graph_glm4moe.ffn): dense layers as one expert, shared experts beside
+the routed ones.
 """
 from __future__ import annotations
+
+from .graph_glm4moe import ffn
 
 
 def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
@@ -23,16 +25,7 @@ def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
         B.mla_rope_store_(m.cache, il, q, B.matmul(L.mla.kv_a, h, "kv_a"), L, pos, pos0)
         a = B.attention(m.cache, il, B.mla_absorb(L, q, "q_latent"), pos, pos0, n, "attn")
         h = B.add_rms_norm_(x, B.matmul(L.wo, B.mla_expand(L, a, "attn_v"), "attn_out"), L.ffn_norm, eps, "h")
-
-        if L.router is None:
-            ids, wts = B.dense_route(n)
-        else:
-            ids, wts = B.route_tokens(L.router, h, hp.gating, sel_bias=L.exp_probs_b)
-            if L.shared is not None:
-                B.shared_expert_(L.shared, x, h)
-        act = B.expert_gate_up(L, h, ids, "act")
-        nxt = W.layers[il + 1].attn_norm if il + 1 < len(W.layers) else W.output_norm
-        h = B.moe_down_combine_rms_norm_(L, x, act, ids, wts, nxt, eps, "h")
+        h = ffn(m, il, L, x, h, n)
 
     if last_only and n > 1:
         h = h[n - 1:n]

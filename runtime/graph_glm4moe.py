@@ -29,17 +29,25 @@ def forward(m, tokens, pos, pos0: int, n: int, last_only: bool = False):
             B.rope_store_(m.cache, il, q, k, v, pos, pos0)
         a = B.attention(m.cache, il, q, pos, pos0, n, "attn")
         h = B.add_rms_norm_(x, B.matmul(L.wo, a, "attn_out"), L.ffn_norm, eps, "h")
-
-        if L.router is None:
-            ids, wts = B.dense_route(n)
-        else:
-            ids, wts = B.route_tokens(L.router, h, hp.gating, sel_bias=L.exp_probs_b)
-            if L.shared is not None:
-                B.shared_expert_(L.shared, x, h)
-        act = B.expert_gate_up(L, h, ids, "act")
-        nxt = W.layers[il + 1].attn_norm if il + 1 < len(W.layers) else W.output_norm
-        h = B.moe_down_combine_rms_norm_(L, x, act, ids, wts, nxt, eps, "h")
+        h = ffn(m, il, L, x, h, n)
 
     if last_only and n > 1:
         h = h[n - 1:n]
     return B.matmul(W.output, h, "logits")
+
+
+def ffn(m, il: int, L, x, h, n: int):
+    """Layer il's FFN on its normed input h, added to the residual x (glm4moe's and
+    deepseek2's): a dense layer as its one expert, else the routed experts (a selection
+    bias where the layer has one) and a shared expert apart where it does not ride with
+    them; returns the next layer's input (its norm, or the output norm, of x)."""
+    B, hp, W = m.backend, m.hp, m.weights
+    if L.router is None:
+        ids, wts = B.dense_route(n)
+    else:
+        ids, wts = B.route_tokens(L.router, h, hp.gating, sel_bias=L.exp_probs_b)
+        if L.shared is not None:
+            B.shared_expert_(L.shared, x, h)
+    act = B.expert_gate_up(L, h, ids, "act")
+    nxt = W.layers[il + 1].attn_norm if il + 1 < len(W.layers) else W.output_norm
+    return B.moe_down_combine_rms_norm_(L, x, act, ids, wts, nxt, hp.rms_eps, "h")
