@@ -6,7 +6,7 @@ runtime.arch_glm4moe.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -265,11 +265,14 @@ def ffn_refs(L: "LayerRefs", T: dict[str, TensorRef], b: str, dense: bool, ride:
     return L   # the routed gate and up: open_layers (set_gate_up)
 
 
-def shared_rides(types: dict[str, str], layers: range) -> bool:
+def shared_rides(types: dict[str, str], layers: range, n_shared: int) -> bool:
     """Whether the shared expert joins the routed ones (Gating.shared is the model's, so in
-    every one of `layers` or in none): each of its gate, up and down has the type of the
+    every one of `layers` or in none): there is one (several are one FFN of their total
+    width, as llama.cpp runs them: apart), each of its gate, up and down has the type of the
     routed tensor it joins, and gate and up are separate (a file's merged ffn_gate_up_exps
-    has no gate rows to append to). types: tensor name -> type (the loader's, the tuner's)."""
+    has no gate rows to append to). types: tensor name -> type (the loaders', the tuner's)."""
+    if n_shared != 1:
+        return False
     for i in layers:
         b = f"blk.{i}."
         if b + "ffn_gate_up_exps.weight" in types:
@@ -279,6 +282,14 @@ def shared_rides(types: dict[str, str], layers: range) -> bool:
             if s is not None and e is not None and s != e:
                 return False
     return True
+
+
+def place_shared(f: GGUFFile, hp: HParams) -> tuple[HParams, bool, bool]:
+    """Where glm4moe's and deepseek2's shared experts run (shared_rides): the hyperparameters
+    the graph runs (Gating.shared only where they ride), ride, apart (a FFN of their own)."""
+    ride = shared_rides({n: t.qtype for n, t in f.tensors.items()}, range(hp.n_dense_lead, hp.n_layer),
+                        hp.shared_slots)
+    return replace(hp, shared_slots=hp.shared_slots if ride else 0), ride, hp.shared_slots > 0 and not ride
 
 
 def open_layers(f: GGUFFile, hp: HParams, expected: dict[str, Expect], layer_refs, merge: bool) -> ModelRefs:

@@ -15,10 +15,9 @@ where it has one), shared experts beside the routed ones (runtime.arch.ffn_refs)
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from .arch import (MLA, HParams, LayerRefs, MlaRefs, ModelRefs, YaRN, common_hparams, ffn_refs, open_layers,
-                   shared_rides)
+                   place_shared)
 from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "deepseek2"
@@ -152,10 +151,7 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     one FFN of their width apart, as llama.cpp runs them."""
     hp = read_hparams(f)
     expected = expected_tensors(hp, f)
-    ride = hp.shared_slots == 1 and shared_rides({n: t.qtype for n, t in f.tensors.items()},
-                                                  range(hp.n_dense_lead, hp.n_layer))
-    apart = hp.shared_slots > 0 and not ride
-    run_hp = replace(hp, shared_slots=hp.shared_slots if ride else 0)
+    run_hp, ride, apart = place_shared(f, hp)
 
     def layer(T, b):
         i = int(b.split(".")[1])

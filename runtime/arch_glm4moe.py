@@ -19,9 +19,8 @@ types than the routed ones, it stays a one-expert FFN of its own (LayerRefs.shar
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
-from .arch import HParams, LayerRefs, ModelRefs, common_hparams, ffn_refs, open_layers, shared_rides
+from .arch import HParams, LayerRefs, ModelRefs, common_hparams, ffn_refs, open_layers, place_shared
 from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "glm4moe"
@@ -155,10 +154,7 @@ def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
     hp, n_blocks = read_hparams(f)
     expected = expected_tensors(hp, n_blocks, f)
     _check_biases(f, hp)
-    ride = hp.shared_slots > 0 and shared_rides({n: t.qtype for n, t in f.tensors.items()},
-                                                 range(hp.n_dense_lead, hp.n_layer))
-    apart = hp.shared_slots > 0 and not ride
-    run_hp = replace(hp, shared_slots=hp.shared_slots if ride else 0)
+    run_hp, ride, apart = place_shared(f, hp)
 
     def layer(T, b):
         i = int(b.split(".")[1])

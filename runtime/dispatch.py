@@ -72,6 +72,12 @@ KSPLIT_WARPS = 2
 # without, one process: GLM-4.5-Air's slice (4 units) 994 -> 1012; at 2 units Qwen3-30B-A3B
 # lost 643 -> 630, at 3 gpt-oss-20b 664 -> 637 (BENCHMARKS.md).
 FUSED_KSPLIT_MIN_UNITS = 4
+FUSED_KSPLIT_WARPS = 4
+
+
+def row_units(k: int) -> int:
+    """A row's k-units: 32 lanes a unit, a lane a quant block (KERNEL_BLOCK values)."""
+    return -(-k // (32 * KERNEL_BLOCK))
 
 
 def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0, m: int = 0) -> MmvqSpec:
@@ -90,8 +96,7 @@ def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0, m: int = 0) -> MmvqS
     product with few of them split k (KSPLIT_MIN_UNITS, KSPLIT_MAX_ROWS)."""
     guess = guesses_ids(n, ids) and quant_type(qtype).sub_blocks == 1
     spec = MmvqSpec.decode(qtype, ids=ids, guess=guess)
-    units = -(-k // (32 * KERNEL_BLOCK))     # a lane's blocks of a row, 32 lanes a unit
-    split = not ids and n == 1 and units >= KSPLIT_MIN_UNITS and m <= KSPLIT_MAX_ROWS
+    split = not ids and n == 1 and row_units(k) >= KSPLIT_MIN_UNITS and m <= KSPLIT_MAX_ROWS
     return replace(spec, ksplit=True, warps=KSPLIT_WARPS) if split else spec
 
 
@@ -131,9 +136,8 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
             rows = 2
         spec = MmvqSpec.decode(qtype, ids=ids, rows=rows, act=act, bias=bias, guess=guess, units=units,
                                wait_first=wait_first)
-        row_units = -(-k // (32 * KERNEL_BLOCK))
-        if wait_first and ids and n == 1 and row_units >= FUSED_KSPLIT_MIN_UNITS:
-            spec = replace(spec, warps=4, ksplit=True)
+        if wait_first and ids and n == 1 and row_units(k) >= FUSED_KSPLIT_MIN_UNITS:
+            spec = replace(spec, warps=FUSED_KSPLIT_WARPS, ksplit=True)
         return spec
     return MmvqSpec(qtype, tokens=_pow2_at_least(n, 1, 8), warps=4, rows=2 if n >= 8 else 1, ids=ids,
                     act=act, bias=bias)

@@ -369,3 +369,13 @@ def rewrite(src, dst, tensors=None, kv=None, add=()):
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def error_after_rewrite(fx, dst, tensors=None, kv: dict | None = None) -> float:
+    """The largest abs difference between the numpy backend's logits on a parity fixture
+    rewritten (rewrite's tensors; kv: key -> new value, None dropping it) and llama.cpp's
+    on the fixture as it is: what a feature's test asserts is far off once it is gone."""
+    from moeforge.runtime.model import load_model
+    kv = kv or {}
+    path = rewrite(fx["path"], str(dst), tensors=tensors, kv=lambda k, v, t: kv.get(k, v))
+    return float(np.abs(load_model(path, backend="numpy").logits(fx["tokens"]) - fx["logits"]).max())

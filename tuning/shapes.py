@@ -65,8 +65,7 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
     # are the routed ones' rides with them as one more expert and slot (the loaders' rule)
     trunk = int(field(f"{arch}.block_count") or 0) - int(field(f"{arch}.nextn_predict_layers") or 0)
     shared = int(field(f"{arch}.expert_shared_count") or 0)
-    # (one shared expert at most: several are one wider FFN, apart)
-    ride = shared == 1 and shared_rides(types, range(int(field(f"{arch}.leading_dense_block_count") or 0), trunk))
+    ride = shared_rides(types, range(int(field(f"{arch}.leading_dense_block_count") or 0), trunk), shared)
 
     def run(name: str) -> bool:
         block = name.split(".")[1] if name.startswith("blk.") else ""

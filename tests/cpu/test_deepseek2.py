@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import assert_cache_consistent, kl_per_token, rewrite
+from conftest import assert_cache_consistent, error_after_rewrite, kl_per_token, rewrite
 from moeforge.runtime.gguf_file import GGUFError
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, tensor_plan, write_model
@@ -51,9 +51,7 @@ CHANGES = {
 def test_f32_fixture_depends_on_each_feature(parity_models, tmp_path, change):
     """Without any one of deepseek2's features the numpy backend is far off llama.cpp's F32
     logits: the bar holds because both apply each of them, the same way."""
-    fx = parity_models["ds-f32"]
     c = CHANGES[change]
-    kv = c.get("kv", {})
 
     def tensors(name, a, t):
         if "one" in c and name.endswith(c["one"]):
@@ -62,12 +60,7 @@ def test_f32_fixture_depends_on_each_feature(parity_models, tmp_path, change):
             a = a.copy()
             a[c["zero_rows"][1]:] = 0
         return [(name, a, t)]
-
-    def edit(k, v, t):
-        return kv.get(k, v) if k in kv else v
-    path = rewrite(fx["path"], str(tmp_path / "changed.gguf"), tensors=tensors, kv=edit)
-    got = load_model(path, backend="numpy").logits(fx["tokens"])
-    err = np.abs(got - fx["logits"]).max()
+    err = error_after_rewrite(parity_models["ds-f32"], tmp_path / "changed.gguf", tensors, c.get("kv"))
     assert err > 100 * F32_BAR, f"{change}: max abs difference only {err:.2e}"
 
 

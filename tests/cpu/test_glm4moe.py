@@ -6,7 +6,7 @@ the shared expert kept apart where its types differ, and what loading refuses.""
 import numpy as np
 import pytest
 
-from conftest import assert_cache_consistent, kl_per_token, rewrite
+from conftest import assert_cache_consistent, error_after_rewrite, kl_per_token, rewrite
 from moeforge.runtime.gguf_file import GGUFError
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, tensor_plan
@@ -52,17 +52,13 @@ CHANGES = {
 def test_f32_fixture_depends_on_each_feature(parity_models, tmp_path, change):
     """Without any one of glm4moe's features the numpy backend is far off llama.cpp's F32
     logits: the bar holds because both apply each of them, the same way."""
-    fx = parity_models["glm-f32"]
     c = CHANGES[change]
-    kv = c.get("kv", {})
 
     def tensors(name, a, t):
         if "zero" in c and name.endswith(c["zero"]):
             a = np.zeros_like(a)
         return [(name, a, t)]
-    path = rewrite(fx["path"], str(tmp_path / "changed.gguf"), tensors=tensors, kv=lambda k, v, t: kv.get(k, v))
-    got = load_model(path, backend="numpy").logits(fx["tokens"])
-    err = np.abs(got - fx["logits"]).max()
+    err = error_after_rewrite(parity_models["glm-f32"], tmp_path / "changed.gguf", tensors, c.get("kv"))
     assert err > 100 * F32_BAR, f"{change}: max abs difference only {err:.2e}"
 
 

@@ -147,39 +147,35 @@ def test_glm4_split_and_whole_pieces(gguf_path):
         assert tok.decode(tok.encode(text)) == text
 
 
-def test_glm4_matches_llama_cpp(parity_models):
-    """llama.cpp's ids (tests/fixtures/parity/glm4-tokens.json, from llama-cpp-python 0.3.36)
-    for texts on the glm-f32 fixture's vocabulary with the "glm4" pre-tokenizer."""
+def _llama_cpp_ids(parity_models, pre, fixture, file):
+    """llama.cpp's ids for texts (tests/fixtures/parity/FILE, from llama-cpp-python 0.3.36)
+    and our tokenizer for pre on that fixture's vocabulary."""
     import json
     import os
     from conftest import PARITY_DIR
     from moeforge.runtime.tokenizer import Tokenizer
-    with open(os.path.join(PARITY_DIR, "glm4-tokens.json")) as fh:
+    with open(os.path.join(PARITY_DIR, file)) as fh:
         want = json.load(fh)
-    f = GGUFFile(parity_models["glm-f32"]["path"])
-    f.metadata["tokenizer.ggml.pre"] = "glm4"
-    tok = Tokenizer.from_gguf(f)
+    f = GGUFFile(parity_models[fixture]["path"])
+    f.metadata["tokenizer.ggml.pre"] = pre
+    return want, Tokenizer.from_gguf(f)
+
+
+@pytest.mark.parametrize("pre,fixture,file", [("glm4", "glm-f32", "glm4-tokens.json"),
+                                              ("deepseek-llm", "ds-f32", "deepseek-llm-tokens.json")])
+def test_pre_tokenizer_matches_llama_cpp(parity_models, pre, fixture, file):
+    """llama.cpp's ids for texts on a fixture's vocabulary: glm4's split (whole pieces
+    before merges, no BOS), deepseek-llm's six splits in turn (newlines, cased letters,
+    punctuation runs, trailing spaces, CJK and Hangul, digit runs of any length)."""
+    want, tok = _llama_cpp_ids(parity_models, pre, fixture, file)
     assert [tok.encode(t) for t in want["texts"]] == want["ids"]
 
 
-def test_deepseek_llm_matches_llama_cpp(parity_models):
-    """llama.cpp's ids (tests/fixtures/parity/deepseek-llm-tokens.json, from llama-cpp-python
-    0.3.36) for texts on the ds-f32 fixture's vocabulary with the "deepseek-llm"
-    pre-tokenizer: its six splits in turn (newlines, cased letters, punctuation runs,
-    trailing spaces, CJK and Hangul, digit runs of any length)."""
-    import json
-    import os
-    from conftest import PARITY_DIR
-    from moeforge.runtime.tokenizer import Tokenizer
-    with open(os.path.join(PARITY_DIR, "deepseek-llm-tokens.json")) as fh:
-        want = json.load(fh)
-    f = GGUFFile(parity_models["ds-f32"]["path"])
-    f.metadata["tokenizer.ggml.pre"] = "deepseek-llm"
-    tok = Tokenizer.from_gguf(f)
-    assert [tok.encode(t) for t in want["texts"]] == want["ids"]
-    # the fixture's few merges rarely cross a split, so the pieces themselves, as the six
-    # rules in turn cut them (a space stays off a digit run, punctuation runs keep one
-    # leading space, trailing spaces end as one piece, CJK and Hangul runs stand alone)
+def test_deepseek_llm_pieces(parity_models):
+    """The ds fixture's few merges rarely cross a split, so the pieces themselves, as the six
+    rules in turn cut them (a space stays off a digit run, punctuation runs keep one leading
+    space, trailing spaces end as one piece, CJK and Hangul runs stand alone)."""
+    _, tok = _llama_cpp_ids(parity_models, "deepseek-llm", "ds-f32", "deepseek-llm-tokens.json")
     pieces = {"Hello world's 1234567 CAPS\n\n  x": ["Hello", " world", "'", "s", " ", "1234567", " CAPS", "\n", "\n",
                                                  " ", " x"],
               "中文字符 한국어 text 99": ["中文字符", " ", "한국어", " text", " ", "99"],
