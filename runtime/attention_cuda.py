@@ -7,6 +7,7 @@ prompt the tensor-core kernels (runtime.prompt_attention) or cuBLAS on views of 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,6 +17,18 @@ from .kernels import grid_1d
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model_tokens.cuh.j2)
+# attn_decode_mla (templates/mla.cuh.j2): query heads a block, the latent and row widths it
+# holds; the rows a split reads at the full context
+MLA_HEADS, MLA_MAX_R, MLA_MAX_D = 16, 512, 576
+MLA_SPLIT_ROWS = 256
+
+
+@dataclass
+class MlaQuery:
+    """One token's latent-attention query where it lies: the heads' absorbed latent parts
+    (1, H, r) and q itself (1, H (nope + rope)), whose RoPE parts attn_decode_mla reads."""
+    lat: object
+    q: object
 
 
 class CudaAttentionOps:
@@ -121,11 +134,45 @@ class CudaAttentionOps:
             q, k, v, L.q_norm, L.k_norm, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv),
             _i32(hp.head_dim), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)), _i32(n)))
 
+    def mla_rope_store_(self, cache, il, q, kv, L, pos, pos0):
+        """runtime.backend.Backend.mla_rope_store_ in one launch (a block a token)."""
+        hp = self.hp
+        m, y = hp.mla, hp.yarn
+        lo, hi = y.corr_dims(m.rope_dim, hp.rope_base) if y is not None else (0.0, 0.0)
+        self.kernel("mla_rope_store")((q.shape[0],), (256,), (
+            q, kv, L.mla.kv_a_norm, cache.k[il], pos, _i32(hp.n_head), _i32(m.nope_dim), _i32(m.rope_dim),
+            _i32(m.kv_lora_rank), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)), _f32(y.freq_scale if y else 1.0),
+            _f32(y.ext_factor if y else 0.0), _f32(lo), _f32(hi), _f32(y.mscale() if y else 1.0),
+            self.ws("q_nope", (q.shape[0], hp.n_head, m.nope_dim))))
+
+    def mla_absorb(self, L, q, name):
+        """The heads' nope queries (copied out by mla_rope_store) into the latent's space: one
+        token's attention reads them and q's RoPE part where they are (MlaQuery); a prompt's
+        gets them joined."""
+        hp, n = self.hp, q.shape[0]
+        m = hp.mla
+        lat = self.mul_mat_id(L.mla.k_b, self.ws("q_nope", (n, hp.n_head, m.nope_dim)), self._head_ids(n), name)
+        if n == 1:
+            return MlaQuery(lat, q)
+        qh = q.reshape(n, hp.n_head, m.q_head)
+        return self.cp.concatenate([lat, qh[..., m.nope_dim:]], axis=-1).reshape(n, -1)
+
+    def _head_ids(self, n: int):
+        """0..H-1 for each of n tokens, made once per n (outside any captured pass)."""
+        ids = self._mla_ids.get(n)
+        if ids is None:
+            ids = self._mla_ids[n] = self.cp.tile(self.cp.arange(self.hp.n_head, dtype=np.int32), (n, 1))
+        return ids
+
     def attention(self, cache, il, q, pos, pos0, n, name, sinks=None, window: int = 0):
-        hp, cp = self.hp, self.cp
+        hp = self.hp
         kc, vc = cache.k[il], cache.v[il]
-        scale = 1.0 / math.sqrt(hp.head_dim)
+        scale = hp.kq_scale
         extra = (_NULL if sinks is None else sinks, _i32(window))
+        if hp.mla:      # runtime.arch.MLA: its own kernel at one token, cuBLAS for prompts
+            if isinstance(q, MlaQuery):
+                return self._attn_mla(kc, q, pos, name, cache.n_ctx)
+            return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
         if n == 1:   # the decode step: the number of cached positions is read on the device
             out = self.ws(name, (1, hp.q_dim))
             pend, self._pending_qk = self._pending_qk, None
@@ -164,17 +211,40 @@ class CudaAttentionOps:
                                              self.cache_type)
         if kernel is not None:
             return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"], extra)
-        L, hd, hkv = pos0 + n, hp.head_dim, hp.n_head_kv
+        return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
+
+    def _attn_mla(self, kc, q: "MlaQuery", pos, name, n_ctx: int):
+        """One token's latent attention (attn_decode_mla, then its merge): the splits fixed by
+        the context's length (a captured step serves every position), the blocks reading
+        ~MLA_SPLIT_ROWS rows each at the full context."""
+        hp = self.hp
+        r, D, H = hp.v_dim, hp.head_dim, hp.n_head
+        if r > MLA_MAX_R or D > MLA_MAX_D:
+            raise ValueError(f"attn_decode_mla takes latents of up to {MLA_MAX_R} and rows of up to {MLA_MAX_D}; "
+                             f"this model has {r} and {D}")
+        groups = -(-H // MLA_HEADS)
+        splits = max(1, min(-(-n_ctx // MLA_SPLIT_ROWS), 2 * self._device()["sm_count"] // groups))
+        part = self.ws("attn_part_mla", (groups * splits * MLA_HEADS * (r + 2),))
+        out = self.ws(name, (1, H * r))
+        self.kernel("attn_decode_mla")((splits, groups), (256,), (
+            q.lat, q.q, kc, pos, part, _i32(H), _i32(D), _i32(r), _i32(hp.mla.nope_dim),
+            _f32(hp.kq_scale * math.log2(math.e))))
+        self.kernel("attn_decode_mla_merge")((H,), (32 * -(-r // 32),), (part, out, _i32(H), _i32(r), _i32(splits)))
+        return out
+
+    def _attn_cublas(self, kc, vc, q, pos0, n, scale, extra):
+        """Heads no kernel takes: cuBLAS on views of the cache (CuPy temporaries: such a pass
+        is not captured; an f16 cache's rows as float32 copies), value heads hp.v_dim wide."""
+        hp, cp = self.hp, self.cp
+        L, hd, dv, hkv = pos0 + n, hp.head_dim, hp.v_dim, hp.n_head_kv
         g = hp.n_head // hkv
-        # other head shapes: cuBLAS on views (CuPy temporaries: such a pass is not captured;
-        # an f16 cache's rows as float32 copies)
         K = kc[:L].astype(np.float32, copy=False).reshape(L, hkv, hd).transpose(1, 2, 0)
-        V = vc[:L].astype(np.float32, copy=False).reshape(L, hkv, hd).transpose(1, 0, 2)
+        V = vc[:L].astype(np.float32, copy=False).reshape(L, hkv, dv).transpose(1, 0, 2)
         qh = q.reshape(n, hkv, g, hd).transpose(1, 2, 0, 3).reshape(hkv, g * n, hd)
         p = cp.ascontiguousarray(cp.matmul(qh, K))                  # (hkv, g * n, L) scores
         self.kernel("softmax_causal")((p.size // L,), (256,), (p, _i32(L), _i32(n), _i32(pos0), _f32(scale), *extra))
-        o = cp.matmul(p, V).reshape(hkv, g, n, hd).transpose(2, 0, 1, 3)
-        return cp.ascontiguousarray(o.reshape(n, hp.q_dim))
+        o = cp.matmul(p, V).reshape(hkv, g, n, dv).transpose(2, 0, 1, 3)
+        return cp.ascontiguousarray(o.reshape(n, hp.n_head * dv))
 
     def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name, smem_limit: int, extra):
         hp = self.hp

@@ -231,7 +231,8 @@ class Backend:
         self.kv_store_(cache, il, xp.concatenate([latent, k_pe], axis=1), latent, pos, pos0)
 
     def _head_ids(self, n: int):
-        return self.xp.broadcast_to(self.xp.arange(self.hp.n_head, dtype=np.int32), (n, self.hp.n_head))
+        """Each token's heads as the experts of a per-head product (k_b, v_b): 0..H-1."""
+        return self.xp.tile(self.xp.arange(self.hp.n_head, dtype=np.int32), (n, 1))
 
     def mla_absorb(self, L: LayerWeights, q, name):
         """Each head's query in the latent's space: [k_b[h] q_nope[h], q_pe[h]], (n, H (r + dr))."""

@@ -44,7 +44,8 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
         cp = require_gpu("the cuda backend")
         super().__init__(hp, attn_precision, cache_type)
         self.spec = lim = ModelSpec(cache=self.cache_type)   # the model kernels, built for the cache's type
-        if hp.n_expert > lim.max_experts or hp.head_dim > lim.max_head_dim or hp.n_expert_used > 32:
+        # latent attention's rows (576 wide) have kernels of their own (attn_decode_mla) and cuBLAS
+        if hp.n_expert > lim.max_experts or (hp.head_dim > lim.max_head_dim and not hp.mla) or hp.n_expert_used > 32:
             raise ValueError(f"the cuda backend handles up to {lim.max_experts} experts, 32 of them per token, and "
                              f"heads of up to {lim.max_head_dim}; this model has {hp.n_expert}, {hp.n_expert_used} "
                              f"and {hp.head_dim}")
@@ -54,6 +55,7 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
         self._kernels: dict[str, object] = {}
         self.generation = 0          # bumped whenever a buffer is (re)allocated
         self.graphs = PassGraphs(cp, self.stream)
+        self._mla_ids = {}           # latent attention's per-head product ids, by token count
         self._step_in = None
         self._counter = None
         self._attn_counts = None     # decode attention's split counters
@@ -345,7 +347,7 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
             with self.decoding():
                 return model._forward(model, tok, pos, pos0, 1)
         # a graph for each attention kernel: one per query head, or per key head (long contexts)
-        key = "decode-grouped" if self._decode_grouped(pos0) else "decode"
+        key = "decode" if self.hp.mla else "decode-grouped" if self._decode_grouped(pos0) else "decode"
         return self.graphs.run(key, lambda: self._layout_key(model), forward)
 
     def prompt_step(self, model, ids: np.ndarray, pos0: int, last_only: bool):
@@ -353,5 +355,9 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
         n = ids.size
         tokens = self.to_device(ids, "tokens")
         pos = self.to_device(np.arange(pos0, pos0 + n, dtype=np.int32), "pos")
+        if self.hp.mla and n > 1:
+            # latent attention's prompts run on cuBLAS with CuPy temporaries sized by the
+            # context: eagerly, never captured
+            return model._forward(model, tokens, pos, pos0, n, last_only)
         return self.graphs.run(("prompt", n, last_only), lambda: self._layout_key(model),
                                lambda: model._forward(model, tokens, pos, pos0, n, last_only))

@@ -19,8 +19,9 @@ from .sampling import Sampler, Sampling
 
 ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe), arch_gptoss.ARCH: (arch_gptoss, graph_gptoss),
          arch_glm4moe.ARCH: (arch_glm4moe, graph_glm4moe), arch_deepseek2.ARCH: (arch_deepseek2, graph_deepseek2)}
-# architectures whose graph the numpy backend runs but the CUDA one does not yet
-NUMPY_ONLY = {arch_deepseek2.ARCH: "latent attention (MLA) has no CUDA kernels yet"}
+# architectures whose graph the numpy backend runs but the CUDA one does not yet (name ->
+# why); deepseek2's latent attention runs on cuBLAS there (runtime.attention_cuda)
+NUMPY_ONLY: dict[str, str] = {}
 BACKENDS = ("cuda", "numpy")
 # With n_ubatch=None, a pass that returns every row's logits (logits(), perplexity) takes at
 # most this many tokens: its logits alone are n x n_vocab floats (Qwen3's 151936: 2.5 GB at
