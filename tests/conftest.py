@@ -169,16 +169,44 @@ def assert_top1_and_kl(ref, got, bar=1e-3):
     assert kl.mean() < bar, f"mean KL {kl.mean():.2e} (max {kl.max():.2e})"
 
 
-def assert_cache_consistent(m, toks, cuts):
+def assert_cache_consistent(m, toks, cuts, rel=None):
     """All at once == token by token == in the uneven chunks that `cuts` (ascending ends)
-    make: what one pass writes into the KV cache, later passes read as the whole prompt's."""
+    make: what one pass writes into the KV cache, later passes read as the whole prompt's.
+    rel: the bar relative to the largest logit, where prompt and decode kernels add in
+    other orders (the GPU); else 1e-5 absolute (one arithmetic for both)."""
     whole = m.logits(toks)
     m.reset(len(toks))
     one = np.concatenate([m.eval([t]) for t in toks])
     m.reset()
     chunks = np.concatenate([m.eval(toks[a:b]) for a, b in zip((0, *cuts[:-1]), cuts)])
-    np.testing.assert_allclose(one, whole, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(chunks, whole, atol=1e-5, rtol=0)
+    atol = 1e-5 if rel is None else rel * np.abs(whole).max()
+    np.testing.assert_allclose(one, whole, atol=atol, rtol=0)
+    np.testing.assert_allclose(chunks, whole, atol=atol, rtol=0)
+
+
+def assert_matches_emulation(got, ref, weights, seed, exact_until=None):
+    """A random model's logits on the GPU (got) against the numpy backend emulating the
+    kernels (ref). Float weights (weights "f32"): within 1e-3 of the largest logit, at the
+    positions before exact_until (all where None), the quantized bar at all of them.
+    Quantized: a last-bit difference in one product (another summation order) can move a
+    value across a rounding boundary of the next layer's q8_1 quantizer, and random tiny
+    models amplify such flips (numpy, q8_0: q8_1 activations against float ones KL 3e-3 to
+    5e-3 on a tiny gpt-oss, 6e-5 to 6e-4 on a tiny qwen3moe; the MXFP4 gpt-oss reached 1.1e-3
+    to 1.9e-3 against the emulation on 4 seeds of 16, H200 2026-11-28). So top-1 at 90% of
+    the positions and mean KL < 5e-3, which a wrong bias, expert, row or window still misses
+    by orders of magnitude; the kernels' own arithmetic is held elementwise on f32."""
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    if weights == "f32":
+        n = len(ref) if exact_until is None else exact_until
+        err = np.abs(got[:n] - ref[:n]).max(-1, initial=0.0) / np.abs(ref).max()
+        assert err.max(initial=0.0) < 1e-3, (f"seed {seed}: max abs difference {err.max():.2e} relative to the "
+                                             f"largest logit, at positions {np.nonzero(err >= 1e-3)[0].tolist()}")
+        if exact_until is None or exact_until >= len(ref):
+            return
+    top = got.argmax(-1) == ref.argmax(-1)
+    assert top.mean() > 0.9, f"seed {seed}: top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
+    kl = kl_per_token(ref, got)
+    assert kl.mean() < 5e-3, f"seed {seed}: mean KL {kl.mean():.2e}"
 
 
 def attn_hparams(n_head, n_head_kv, head_dim):

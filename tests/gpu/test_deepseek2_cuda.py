@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import assert_cache_consistent, assert_top1_and_kl
+from conftest import assert_cache_consistent, assert_matches_emulation, assert_top1_and_kl
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
 
@@ -63,19 +63,19 @@ def test_prompt_and_decode_match_the_emulation(lite_models, t):
             outs.append(np.concatenate([m.eval(toks[:60]), *(m.eval([x]) for x in toks[60:])]))
         if backend == "cuda":
             assert m.backend.graphs.captured("decode")
-    got, ref = outs
-    assert np.isfinite(got).all(), f"seed {seed}"
-    if t == "f32":
-        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-3, f"seed {seed}"
-    assert_top1_and_kl(ref, got)
+    # quantized: every token's 16 x 512 latent outputs feed v_b's q8_1 quantizer, where
+    # cuBLAS's or the kernel's last bits against numpy's flip a rounding now and then
+    # (H200: the first flip at a token of 8, 5e-4 of that product, 1e-2 of its logits)
+    assert_matches_emulation(*outs, t, seed)
 
 
 def test_kv_cache_consistency(lite_models):
     """All at once == token by token == in uneven chunks, on the GPU: the latent rows one
-    pass writes are what the next reads."""
+    pass writes are what the next reads (float weights: prompts add on cuBLAS, one token in
+    attn_decode_mla, each in its own order)."""
     paths, toks, _ = lite_models
-    m = load_model(paths["q8_0"], backend="cuda")
-    assert_cache_consistent(m, toks[:24], (5, 6, 17, 24))
+    m = load_model(paths["f32"], backend="cuda")
+    assert_cache_consistent(m, toks[:24], (5, 6, 17, 24), rel=1e-4)
 
 
 def test_cache_row_is_the_latent_and_the_roped_key(lite_models):
