@@ -18,9 +18,10 @@ _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model_tokens.cuh.j2)
 # attn_decode_mla (templates/mla.cuh.j2): query heads a block, the latent and row widths it
-# holds; the rows a split reads at the full context
-MLA_HEADS, MLA_MAX_R, MLA_MAX_D = 16, 512, 576
-MLA_SPLIT_ROWS = 256
+# holds, the splits its merge weighs at most; the fewest rows a split takes (a short
+# context's rows two a warp, all in flight at once)
+MLA_HEADS, MLA_MAX_R, MLA_MAX_D, MLA_MAX_SPLITS = 16, 512, 576, 512
+MLA_MIN_ROWS = 16
 
 
 @dataclass
@@ -214,22 +215,25 @@ class CudaAttentionOps:
         return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
 
     def _attn_mla(self, kc, q: "MlaQuery", pos, name, n_ctx: int):
-        """One token's latent attention (attn_decode_mla, then its merge): the splits fixed by
-        the context's length (a captured step serves every position), the blocks reading
-        ~MLA_SPLIT_ROWS rows each at the full context."""
+        """One token's latent attention (attn_decode_mla, then its merge). The grid is fixed
+        by the context's length (a captured step serves every position): a block an SM in
+        all (167 registers a thread: one block of 256 fits), fewer where the context cannot
+        give each MLA_MIN_ROWS; the kernels work out on the device which blocks have
+        positions (at least MLA_MIN_ROWS each)."""
         hp = self.hp
-        r, D, H = hp.v_dim, hp.head_dim, hp.n_head
-        if r > MLA_MAX_R or D > MLA_MAX_D:
-            raise ValueError(f"attn_decode_mla takes latents of up to {MLA_MAX_R} and rows of up to {MLA_MAX_D}; "
-                             f"this model has {r} and {D}")
+        r, D, H, m = hp.v_dim, hp.head_dim, hp.n_head, hp.mla
+        if r > MLA_MAX_R or D > MLA_MAX_D or r % 4 or m.nope_dim % 4 or (D - r) % 4:
+            raise ValueError(f"attn_decode_mla takes latents of up to {MLA_MAX_R} and rows of up to {MLA_MAX_D}, "
+                             f"all parts multiples of 4; this model has {r}, {D} and {m.nope_dim} nope values")
         groups = -(-H // MLA_HEADS)
-        splits = max(1, min(-(-n_ctx // MLA_SPLIT_ROWS), 2 * self._device()["sm_count"] // groups))
+        splits = max(1, min(-(-n_ctx // MLA_MIN_ROWS), self._device()["sm_count"] // groups, MLA_MAX_SPLITS))
         part = self.ws("attn_part_mla", (groups * splits * MLA_HEADS * (r + 2),))
         out = self.ws(name, (1, H * r))
         self.kernel("attn_decode_mla")((splits, groups), (256,), (
-            q.lat, q.q, kc, pos, part, _i32(H), _i32(D), _i32(r), _i32(hp.mla.nope_dim),
-            _f32(hp.kq_scale * math.log2(math.e))))
-        self.kernel("attn_decode_mla_merge")((H,), (32 * -(-r // 32),), (part, out, _i32(H), _i32(r), _i32(splits)))
+            q.lat, q.q, kc, pos, part, _i32(H), _i32(D), _i32(r), _i32(m.nope_dim),
+            _f32(hp.kq_scale * math.log2(math.e)), _i32(MLA_MIN_ROWS)))
+        self.kernel("attn_decode_mla_merge")((H, -(-r // 128)), (128,), (
+            part, out, pos, _i32(H), _i32(r), _i32(splits), _i32(MLA_MIN_ROWS)))
         return out
 
     def _attn_cublas(self, kc, vc, q, pos0, n, scale, extra):

@@ -99,8 +99,8 @@ def test_cache_row_is_the_latent_and_the_roped_key(lite_models):
 def test_decode_attention_kernel(n_head, L, cache_type):
     """attn_decode_mla and its merge against float64: n_head query heads (in groups of 16,
     the last one partial at 20) over one latent row a position (576 = 512 + 64; values the
-    first 512), the positions split by the context's length (4096: 16 splits, most of them
-    empty at L = 1), the cache f32 or f16 (the reference reads the same rounded rows);
+    first 512), the positions split over a block an SM at a context of 4096 (at least 16
+    a block: most blocks return at once at short L; 700: blocks of 16 but the last), the cache f32 or f16 (the reference reads the same rounded rows);
     poisoned output, the same bits twice."""
     import cupy as cp
     from moeforge.runtime.arch import MLA, HParams
