@@ -22,6 +22,17 @@ QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS 
 # context's rows two a warp, all in flight at once)
 MLA_HEADS, MLA_MAX_R, MLA_MAX_D, MLA_MAX_SPLITS = 16, 512, 576, 512
 MLA_MIN_ROWS = 16
+# A prompt's latent attention on attn_decode_mla (FMA, captured) up to this many (token,
+# cached position) pairs, n x its mean context; past it on cuBLAS, eagerly. H200, synthetic
+# DeepSeek-V2-Lite q4_0, f16 cache: pp512 at depth 0 (~0.13M pairs) 17496 t/s on the kernel
+# against 6252 eager on cuBLAS, at depth 4096 (2.2M pairs) 2659 against 6736; the kernel's
+# pass grows ~41 ms a 0.5M pairs (~12 TFLOPs), the eager pass stays ~65-80 ms.
+MLA_KERNEL_MAX_PAIRS = 640_000
+
+
+def mla_prompt_on_kernel(n: int, pos0: int) -> bool:
+    """Whether a prompt ubatch of n tokens after pos0 cached runs attn_decode_mla."""
+    return n * (pos0 + (n + 1) / 2) <= MLA_KERNEL_MAX_PAIRS
 
 
 @dataclass
@@ -147,16 +158,11 @@ class CudaAttentionOps:
             self.ws("q_nope", (q.shape[0], hp.n_head, m.nope_dim))))
 
     def mla_absorb(self, L, q, name):
-        """The heads' nope queries (copied out by mla_rope_store) into the latent's space: one
-        token's attention reads them and q's RoPE part where they are (MlaQuery); a prompt's
-        gets them joined."""
+        """The heads' nope queries (copied out by mla_rope_store) into the latent's space;
+        attention reads them and q's RoPE part where they are (MlaQuery)."""
         hp, n = self.hp, q.shape[0]
-        m = hp.mla
-        lat = self.mul_mat_id(L.mla.k_b, self.ws("q_nope", (n, hp.n_head, m.nope_dim)), self._head_ids(n), name)
-        if n == 1:
-            return MlaQuery(lat, q)
-        qh = q.reshape(n, hp.n_head, m.q_head)
-        return self.cp.concatenate([lat, qh[..., m.nope_dim:]], axis=-1).reshape(n, -1)
+        lat = self.mul_mat_id(L.mla.k_b, self.ws("q_nope", (n, hp.n_head, hp.mla.nope_dim)), self._head_ids(n), name)
+        return MlaQuery(lat, q)
 
     def _head_ids(self, n: int):
         """0..H-1 for each of n tokens, made once per n (outside any captured pass)."""
@@ -170,10 +176,13 @@ class CudaAttentionOps:
         kc, vc = cache.k[il], cache.v[il]
         scale = hp.kq_scale
         extra = (_NULL if sinks is None else sinks, _i32(window))
-        if hp.mla:      # runtime.arch.MLA: its own kernel at one token, cuBLAS for prompts
-            if isinstance(q, MlaQuery):
-                return self._attn_mla(kc, q, pos, name, cache.n_ctx)
-            return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
+        if hp.mla:      # runtime.arch.MLA: its own kernels; long prompts on cuBLAS, eagerly
+            if self._mla_cublas:
+                m = hp.mla
+                qh = q.q.reshape(n, hp.n_head, m.q_head)[..., m.nope_dim:]
+                q = self.cp.concatenate([q.lat.reshape(n, hp.n_head, -1), qh], axis=-1).reshape(n, -1)
+                return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
+            return self._attn_mla(kc, q, pos, name, cache.n_ctx, n)
         if n == 1:   # the decode step: the number of cached positions is read on the device
             out = self.ws(name, (1, hp.q_dim))
             pend, self._pending_qk = self._pending_qk, None
@@ -214,26 +223,31 @@ class CudaAttentionOps:
             return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"], extra)
         return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
 
-    def _attn_mla(self, kc, q: "MlaQuery", pos, name, n_ctx: int):
-        """One token's latent attention (attn_decode_mla, then its merge). The grid is fixed
-        by the context's length (a captured step serves every position): a block an SM in
-        all (167 registers a thread: one block of 256 fits), fewer where the context cannot
-        give each MLA_MIN_ROWS; the kernels work out on the device which blocks have
-        positions (at least MLA_MIN_ROWS each)."""
+    def _attn_mla(self, kc, q: "MlaQuery", pos, name, n_ctx: int, n: int):
+        """Latent attention (attn_decode_mla, then its merge where a token's positions are
+        split). The grid is fixed by the context's length and the token count (a captured
+        pass serves every position): a block an SM in all (167 registers a thread: one block
+        of 256 fits), fewer where the context cannot give each MLA_MIN_ROWS; the kernels work
+        out on the device which blocks have positions (at least MLA_MIN_ROWS each). From 132
+        tokens (an SM's worth) a block takes all of a token's positions and writes the
+        output itself. Prompts run on FMA, not tensor cores: 16 heads x 576 against each
+        cached row a token, the rows from L2."""
         hp = self.hp
         r, D, H, m = hp.v_dim, hp.head_dim, hp.n_head, hp.mla
         if r > MLA_MAX_R or D > MLA_MAX_D or r % 4 or m.nope_dim % 4 or (D - r) % 4:
             raise ValueError(f"attn_decode_mla takes latents of up to {MLA_MAX_R} and rows of up to {MLA_MAX_D}, "
                              f"all parts multiples of 4; this model has {r}, {D} and {m.nope_dim} nope values")
         groups = -(-H // MLA_HEADS)
-        splits = max(1, min(-(-n_ctx // MLA_MIN_ROWS), self._device()["sm_count"] // groups, MLA_MAX_SPLITS))
-        part = self.ws("attn_part_mla", (groups * splits * MLA_HEADS * (r + 2),))
-        out = self.ws(name, (1, H * r))
-        self.kernel("attn_decode_mla")((splits, groups), (256,), (
-            q.lat, q.q, kc, pos, part, _i32(H), _i32(D), _i32(r), _i32(m.nope_dim),
+        sms = self._device()["sm_count"]
+        splits = max(1, min(-(-n_ctx // MLA_MIN_ROWS), sms // (groups * n), MLA_MAX_SPLITS))
+        part = self.ws("attn_part_mla", (n * groups * splits * MLA_HEADS * (r + 2),)) if splits > 1 else _NULL
+        out = self.ws(name, (n, H * r))
+        self.kernel("attn_decode_mla")((splits, groups, n), (256,), (
+            q.lat, q.q, kc, pos, part, out, _i32(H), _i32(D), _i32(r), _i32(m.nope_dim),
             _f32(hp.kq_scale * math.log2(math.e)), _i32(MLA_MIN_ROWS)))
-        self.kernel("attn_decode_mla_merge")((H, -(-r // 128)), (128,), (
-            part, out, pos, _i32(H), _i32(r), _i32(splits), _i32(MLA_MIN_ROWS)))
+        if splits > 1:
+            self.kernel("attn_decode_mla_merge")((H, -(-r // 128), n), (128,), (
+                part, out, pos, _i32(H), _i32(r), _i32(splits), _i32(MLA_MIN_ROWS)))
         return out
 
     def _attn_cublas(self, kc, vc, q, pos0, n, scale, extra):

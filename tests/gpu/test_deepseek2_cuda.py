@@ -1,8 +1,8 @@
 """deepseek2 on the CUDA backend (pytest -m gpu): llama.cpp's tiny fixtures, and a model
 with DeepSeek-V2-Lite's head layout (16 heads of 128 + 64 query values, a latent of 512,
 value heads of 128) on tiny other dimensions, against the numpy backend that emulates the
-kernels: prompts in ubatches (latent attention on cuBLAS: eager), decode steps (its own
-kernel, captured as CUDA graphs), q8_0 and q4_0, low-rank q; and the one-token latent
+kernels: prompts in ubatches and decode steps (latent attention on its own kernels, the
+passes captured as CUDA graphs), q8_0 and q4_0, low-rank q; and the one-token latent
 attention kernel against float64."""
 import os
 import warnings
@@ -44,7 +44,7 @@ def lite_models(tmp_path_factory):
         p = d / f"lite-{t}.gguf"
         write_model(p, LITE_HEADS, t, source="float", seed=seed)
         out[t] = str(p)
-    return out, np.random.default_rng(seed).integers(0, 500, 80), seed
+    return out, np.random.default_rng(seed).integers(0, 500, 150), seed
 
 
 @pytest.mark.parametrize("t", ["f32", "q8_0", "q4_0"])
@@ -60,7 +60,7 @@ def test_prompt_and_decode_match_the_emulation(lite_models, t):
         m.reset(len(toks))
         with warnings.catch_warnings():
             warnings.simplefilter("error")        # no pass refused capture, none warned
-            outs.append(np.concatenate([m.eval(toks[:60]), *(m.eval([x]) for x in toks[60:])]))
+            outs.append(np.concatenate([m.eval(toks[:60]), *(m.eval([x]) for x in toks[60:80])]))
         if backend == "cuda":
             assert m.backend.graphs.captured("decode")
     # quantized: every token's 16 x 512 latent outputs feed v_b's q8_1 quantizer, where
@@ -71,11 +71,27 @@ def test_prompt_and_decode_match_the_emulation(lite_models, t):
 
 def test_kv_cache_consistency(lite_models):
     """All at once == token by token == in uneven chunks, on the GPU: the latent rows one
-    pass writes are what the next reads (float weights: prompts add on cuBLAS, one token in
-    attn_decode_mla, each in its own order)."""
+    pass writes are what the next reads. 150 tokens at once and a chunk of 133 take a block
+    a token (from an SM's worth of tokens: no merge), the short chunks split each token's
+    positions over blocks and merge; float weights (the splits add in other orders)."""
     paths, toks, _ = lite_models
     m = load_model(paths["f32"], backend="cuda")
-    assert_cache_consistent(m, toks[:24], (5, 6, 17, 24), rel=1e-4)
+    assert_cache_consistent(m, toks, (5, 6, 17, 150), rel=1e-4)
+
+
+def test_deep_prompts_on_cublas_match_the_kernel(lite_models, monkeypatch):
+    """Past attention_cuda.MLA_KERNEL_MAX_PAIRS a prompt's latent attention runs on cuBLAS,
+    eagerly: the same logits as the kernel's (float weights: other summation orders), the
+    ubatches after the first past the bound here (a bound of 300 pairs)."""
+    from moeforge.runtime import attention_cuda
+    paths, toks, _ = lite_models
+    outs = []
+    for bound in (attention_cuda.MLA_KERNEL_MAX_PAIRS, 300):
+        monkeypatch.setattr(attention_cuda, "MLA_KERNEL_MAX_PAIRS", bound)
+        m = load_model(paths["f32"], backend="cuda", n_ubatch=24)
+        outs.append(m.logits(toks[:72]))
+        assert m.backend.graphs.captured(("prompt", 24, False)) == (bound > 300 * 24)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-4 * np.abs(outs[0]).max())
 
 
 def test_cache_row_is_the_latent_and_the_roped_key(lite_models):
