@@ -77,6 +77,11 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
         if "_exps" in name:
             e, k = (E + shared, top_k + shared) if ride else (E, top_k)
             found.append(((e, k, embd, ff) if "ffn_down" in name else (e, k, 2 * ff, embd), t))
+        elif name.endswith(("attn_k_b.weight", "attn_v_b.weight")) and len(tensors[name].shape) == 3:
+            # deepseek2's latent attention: a matrix a head, run as an expert product with
+            # every head a slot of every token (runtime.backend.Backend.mla_absorb, mla_expand)
+            k_, m_, h = (int(v) for v in tensors[name].shape[:3])   # GGUF order (k, m, heads)
+            found.append(((h, h, m_, k_), t))
         elif ("_shexp." in name and not ride) or name.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down"):
             # a dense FFN (a first dense layer, a shared expert of its own types): one expert every token takes
             k_, m_ = (int(v) for v in tensors[name].shape[:2])   # GGUF order (k, m)
@@ -87,8 +92,9 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
 def model_dense_shapes(path: str | Path) -> list[tuple[int, int, str]]:
     """(m, k, quant type) of the dense quantized products a model's forward pass runs on
     the GPU, read from its first layer's tensors: q, k and v stacked into one product where
-    they share a quantized type (as the CUDA backend runs them), the attention output, and
-    the output head (the token embedding where the file ties them)."""
+    they share a quantized type (as the CUDA backend runs them), deepseek2's latent
+    projections (q or its low-rank pair, the kv latent's), the attention output, and the
+    output head (the token embedding where the file ties them)."""
     import gguf
 
     from ..codegen.quant import QUANT_TYPES
@@ -106,5 +112,6 @@ def model_dense_shapes(path: str | Path) -> list[tuple[int, int, str]]:
         out.append((q[0] + k[0] + v[0], q[1], q[2]))
     else:
         out += [w for w in (q, k, v) if w]
+    out += [w for w in (mk(f"blk.0.attn_{x}.weight") for x in ("q_a", "q_b", "kv_a_mqa")) if w]
     out += [w for w in (mk("blk.0.attn_output.weight"), mk("output.weight") or mk("token_embd.weight")) if w]
     return [w for w in dict.fromkeys(out) if w[2] in QUANT_TYPES]

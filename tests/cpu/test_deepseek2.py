@@ -3,6 +3,7 @@ fixtures (tests/fixtures/parity: latent attention absorbed, RoPE on adjacent pai
 YaRN, a dense first layer, softmax routing, two shared experts; ds-qlora-*: q through a low
 rank), the features each fixture rests on, the one-row cache, and what loading refuses."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -157,3 +158,35 @@ def test_bad_files_are_reported(parity_models, tmp_path, change, match):
     path = rewrite(fx["path"], str(tmp_path / "bad.gguf"), tensors=tensors, kv=edit, add=add)
     with pytest.raises(GGUFError, match=match):
         load_model(path, backend="numpy")
+
+
+@pytest.mark.parametrize("name", ["ds-q4_0", "qlora-q8_0"])
+def test_tune_model_reads_the_runtimes_products(parity_models, tmp_path, name):
+    """`moeforge tune --model` finds what the runtime runs: the routed experts, the two
+    shared experts apart as one dense FFN, k_b and v_b as expert products with every head a
+    slot, and the latent projections among the dense ones (q or q_a and q_b, kv_a)."""
+    from moeforge.tuning.shapes import model_dense_shapes, model_products
+    if name in parity_models:
+        path = parity_models[name]["path"]
+    else:                            # q through a low rank, its products quantized
+        path = str(tmp_path / "qlora.gguf")
+        write_model(path, replace(preset("tiny-deepseek"), q_lora_rank=32), "q8_0", source="float", seed=3)
+    m = load_model(path, backend="numpy")
+    hp = m.hp
+    want = set()
+    for L in m.weights.layers:
+        if L.router is None:
+            want.add(((1, 1) + L.gate_up.shape[1:], L.gate_up.qtype))
+            want.add(((1, 1) + L.down.shape[1:], L.down.qtype))
+        else:
+            E, rows, d = L.gate_up.shape
+            want |= {((E, hp.n_expert_used, rows, d), L.gate_up.qtype),
+                     ((E, hp.n_expert_used, d, L.down.shape[2]), L.down.qtype)}
+        want |= {((hp.n_head, hp.n_head) + L.mla.k_b.shape[1:], L.mla.k_b.qtype),
+                 ((hp.n_head, hp.n_head) + L.mla.v_b.shape[1:], L.mla.v_b.qtype)}
+    got = set(model_products(path))
+    assert want <= got and (hp.n_head, hp.n_head, hp.mla.kv_lora_rank, hp.mla.nope_dim) in {s for s, _ in got}
+    dense = {(mm, k) for mm, k, _ in model_dense_shapes(path)}
+    L0 = m.weights.layers[0]
+    latent = [L0.mla.kv_a] + ([L0.mla.q_a, L0.wq] if L0.mla.q_a is not None else [L0.wq])
+    assert {tuple(t.shape) for t in latent} <= dense
