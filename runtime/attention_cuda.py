@@ -30,6 +30,17 @@ MLA_MIN_ROWS = 16
 MLA_KERNEL_MAX_PAIRS = 640_000
 
 
+def check_mla(hp) -> None:
+    """What the latent attention kernels take (attn_decode_mla, templates/mla.cuh.j2), checked
+    as the CUDA backend is made, before any kernel runs: one kv head, latents of up to
+    MLA_MAX_R, rows of up to MLA_MAX_D, every part a multiple of 4 (vector loads)."""
+    r, D, m = hp.v_dim, hp.head_dim, hp.mla
+    if hp.n_head_kv != 1 or r > MLA_MAX_R or D > MLA_MAX_D or r % 4 or m.nope_dim % 4 or (D - r) % 4:
+        raise ValueError(f"the cuda backend's latent attention takes one kv head, latents of up to {MLA_MAX_R} "
+                         f"and rows of up to {MLA_MAX_D}, all parts multiples of 4; this model has "
+                         f"{hp.n_head_kv} kv heads, a latent of {r}, rows of {D} and {m.nope_dim} nope values")
+
+
 def mla_prompt_on_kernel(n: int, pos0: int) -> bool:
     """Whether a prompt ubatch of n tokens after pos0 cached runs attn_decode_mla."""
     return n * (pos0 + (n + 1) / 2) <= MLA_KERNEL_MAX_PAIRS
@@ -233,10 +244,7 @@ class CudaAttentionOps:
         output itself. Prompts run on FMA, not tensor cores: 16 heads x 576 against each
         cached row a token, the rows from L2."""
         hp = self.hp
-        r, D, H, m = hp.v_dim, hp.head_dim, hp.n_head, hp.mla
-        if r > MLA_MAX_R or D > MLA_MAX_D or r % 4 or m.nope_dim % 4 or (D - r) % 4:
-            raise ValueError(f"attn_decode_mla takes latents of up to {MLA_MAX_R} and rows of up to {MLA_MAX_D}, "
-                             f"all parts multiples of 4; this model has {r}, {D} and {m.nope_dim} nope values")
+        r, D, H, m = hp.v_dim, hp.head_dim, hp.n_head, hp.mla     # within check_mla's limits
         groups = -(-H // MLA_HEADS)
         sms = self._device()["sm_count"]
         splits = max(1, min(-(-n_ctx // MLA_MIN_ROWS), sms // (groups * n), MLA_MAX_SPLITS))

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..codegen.spec import ModelSpec
 from . import dispatch, ops, prompt_attention, ring_memory
-from .attention_cuda import CudaAttentionOps, mla_prompt_on_kernel
+from .attention_cuda import CudaAttentionOps, check_mla, mla_prompt_on_kernel
 from .backend import AUTO_UBATCHES, Backend, choose_ubatch, prompt_bytes_per_token
 from .kv_cache import KVCache
 from .device import device_info, require_gpu
@@ -49,6 +49,8 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
             raise ValueError(f"the cuda backend handles up to {lim.max_experts} experts, 32 of them per token, and "
                              f"heads of up to {lim.max_head_dim}; this model has {hp.n_expert}, {hp.n_expert_used} "
                              f"and {hp.head_dim}")
+        if hp.mla:
+            check_mla(hp)
         self.cp = self.xp = cp
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._bufs: dict[str, object] = {}

@@ -190,3 +190,20 @@ def test_tune_model_reads_the_runtimes_products(parity_models, tmp_path, name):
     L0 = m.weights.layers[0]
     latent = [L0.mla.kv_a] + ([L0.mla.q_a, L0.wq] if L0.mla.q_a is not None else [L0.wq])
     assert {tuple(t.shape) for t in latent} <= dense
+
+
+def test_cuda_latent_limits_are_checked_before_any_kernel(parity_models):
+    """The CUDA backend's latent attention limits (attention_cuda.check_mla, called as the
+    backend is made): the fixtures' and V2-Lite's heads pass, a wider latent, an odd part or
+    a second kv head is named."""
+    from moeforge.runtime.attention_cuda import check_mla
+    hp = load_model(parity_models["ds-f32"]["path"], backend="numpy").hp
+    check_mla(hp)
+    lite = replace(hp, head_dim=576, mla=replace(hp.mla, kv_lora_rank=512, rope_dim=64, nope_dim=128))
+    check_mla(lite)
+    for bad, what in ((replace(lite, head_dim=1088, mla=replace(lite.mla, kv_lora_rank=1024)), "a latent of 1024"),
+                      (replace(lite, head_dim=578), "rows of 578"),
+                      (replace(lite, mla=replace(lite.mla, nope_dim=126)), "126 nope values"),
+                      (replace(lite, n_head_kv=2), "2 kv heads")):
+        with pytest.raises(ValueError, match=what):
+            check_mla(bad)
