@@ -175,24 +175,14 @@ class CudaAttentionOps:
         lat = self.mul_mat_id(L.mla.k_b, self.ws("q_nope", (n, hp.n_head, hp.mla.nope_dim)), self._head_ids(n), name)
         return MlaQuery(lat, q)
 
-    def _head_ids(self, n: int):
-        """0..H-1 for each of n tokens, made once per n (outside any captured pass)."""
-        ids = self._mla_ids.get(n)
-        if ids is None:
-            ids = self._mla_ids[n] = self.cp.tile(self.cp.arange(self.hp.n_head, dtype=np.int32), (n, 1))
-        return ids
-
     def attention(self, cache, il, q, pos, pos0, n, name, sinks=None, window: int = 0):
         hp = self.hp
         kc, vc = cache.k[il], cache.v[il]
         scale = hp.kq_scale
         extra = (_NULL if sinks is None else sinks, _i32(window))
         if hp.mla:      # runtime.arch.MLA: its own kernels; long prompts on cuBLAS, eagerly
-            if self._mla_cublas:
-                m = hp.mla
-                qh = q.q.reshape(n, hp.n_head, m.q_head)[..., m.nope_dim:]
-                q = self.cp.concatenate([q.lat.reshape(n, hp.n_head, -1), qh], axis=-1).reshape(n, -1)
-                return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
+            if self.mla_on_cublas(n, pos0):
+                return self._attn_cublas(kc, vc, self.mla_join(q.lat, q.q), pos0, n, scale, extra)
             return self._attn_mla(kc, q, pos, name, cache.n_ctx, n)
         if n == 1:   # the decode step: the number of cached positions is read on the device
             out = self.ws(name, (1, hp.q_dim))
@@ -233,6 +223,12 @@ class CudaAttentionOps:
         if kernel is not None:
             return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"], extra)
         return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
+
+    def mla_on_cublas(self, n: int, pos0: int) -> bool:
+        """A latent-attention pass of n > 1 tokens after pos0 cached past the kernel's
+        bound: cuBLAS with CuPy temporaries sized by the context, so run eagerly
+        (prompt_step) and never captured."""
+        return bool(self.hp.mla) and n > 1 and not mla_prompt_on_kernel(n, pos0)
 
     def _attn_mla(self, kc, q: "MlaQuery", pos, name, n_ctx: int, n: int):
         """Latent attention (attn_decode_mla, then its merge where a token's positions are

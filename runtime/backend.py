@@ -106,6 +106,7 @@ class Backend:
             raise ValueError(f"an f16 KV cache holds keys and values at f16 precision: attn_precision must be f16 "
                              f"(or left to the default), not {self.attn_request!r}")
         self.attn_precision = self.attn_request
+        self._head_id_rows: dict[int, object] = {}   # mla: per-head product ids by token count
 
     def auto_ubatch(self, n_ctx: int) -> int:
         """The prompt ubatch where the caller names none (AUTO_UBATCHES); numpy's is the
@@ -231,8 +232,19 @@ class Backend:
         self.kv_store_(cache, il, xp.concatenate([latent, k_pe], axis=1), latent, pos, pos0)
 
     def _head_ids(self, n: int):
-        """Each token's heads as the experts of a per-head product (k_b, v_b): 0..H-1."""
-        return self.xp.tile(self.xp.arange(self.hp.n_head, dtype=np.int32), (n, 1))
+        """Each token's heads as the experts of a per-head product (k_b, v_b): 0..H-1, made
+        once per token count (the CUDA backend's outside any captured pass)."""
+        ids = self._head_id_rows.get(n)
+        if ids is None:
+            ids = self._head_id_rows[n] = self.xp.tile(self.xp.arange(self.hp.n_head, dtype=np.int32), (n, 1))
+        return ids
+
+    def mla_join(self, lat, q):
+        """The heads' absorbed queries [lat[h], q_pe[h]], (n, H (r + dr)), from their latent
+        parts lat (n, H, r) and q (n, H (dn + dr))."""
+        m, n = self.hp.mla, q.shape[0]
+        qh = q.reshape(n, self.hp.n_head, m.q_head)
+        return self.xp.concatenate([lat.reshape(n, self.hp.n_head, -1), qh[..., m.nope_dim:]], axis=-1).reshape(n, -1)
 
     def mla_absorb(self, L: LayerWeights, q, name):
         """Each head's query in the latent's space: [k_b[h] q_nope[h], q_pe[h]], (n, H (r + dr))."""
@@ -240,7 +252,7 @@ class Backend:
         m, n = hp.mla, q.shape[0]
         qh = q.reshape(n, hp.n_head, m.q_head)
         lat = self.mul_mat_id(L.mla.k_b, xp.ascontiguousarray(qh[..., :m.nope_dim]), self._head_ids(n), name)
-        return xp.concatenate([lat, qh[..., m.nope_dim:]], axis=-1).reshape(n, -1)
+        return self.mla_join(lat, q)
 
     def mla_expand(self, L: LayerWeights, a, name):
         """Each head's attention output (n, H r) out of the latent's space: (n, H dv)."""

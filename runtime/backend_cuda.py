@@ -18,7 +18,7 @@ import numpy as np
 
 from ..codegen.spec import ModelSpec
 from . import dispatch, ops, prompt_attention, ring_memory
-from .attention_cuda import CudaAttentionOps, check_mla, mla_prompt_on_kernel
+from .attention_cuda import CudaAttentionOps, check_mla
 from .backend import AUTO_UBATCHES, Backend, choose_ubatch, prompt_bytes_per_token
 from .kv_cache import KVCache
 from .device import device_info, require_gpu
@@ -57,8 +57,6 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
         self._kernels: dict[str, object] = {}
         self.generation = 0          # bumped whenever a buffer is (re)allocated
         self.graphs = PassGraphs(cp, self.stream)
-        self._mla_ids = {}           # latent attention's per-head product ids, by token count
-        self._mla_cublas = False     # this prompt's latent attention on cuBLAS (attention_cuda)
         self._step_in = None
         self._counter = None
         self._attn_counts = None     # decode attention's split counters
@@ -358,13 +356,8 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
         n = ids.size
         tokens = self.to_device(ids, "tokens")
         pos = self.to_device(np.arange(pos0, pos0 + n, dtype=np.int32), "pos")
-        if self.hp.mla and not mla_prompt_on_kernel(n, pos0):
-            # deep in the context cuBLAS's latent attention beats the kernel's FMA even
-            # eagerly (CuPy temporaries sized by the context: never captured)
-            self._mla_cublas = True
-            try:
-                return model._forward(model, tokens, pos, pos0, n, last_only)
-            finally:
-                self._mla_cublas = False
+        if self.mla_on_cublas(n, pos0):
+            # deep in the context cuBLAS's latent attention beats the kernel's FMA even eagerly
+            return model._forward(model, tokens, pos, pos0, n, last_only)
         return self.graphs.run(("prompt", n, last_only), lambda: self._layout_key(model),
                                lambda: model._forward(model, tokens, pos, pos0, n, last_only))

@@ -19,9 +19,6 @@ from .sampling import Sampler, Sampling
 
 ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe), arch_gptoss.ARCH: (arch_gptoss, graph_gptoss),
          arch_glm4moe.ARCH: (arch_glm4moe, graph_glm4moe), arch_deepseek2.ARCH: (arch_deepseek2, graph_deepseek2)}
-# architectures whose graph the numpy backend runs but the CUDA one does not yet (name ->
-# why); deepseek2's latent attention runs on cuBLAS there (runtime.attention_cuda)
-NUMPY_ONLY: dict[str, str] = {}
 BACKENDS = ("cuda", "numpy")
 # With n_ubatch=None, a pass that returns every row's logits (logits(), perplexity) takes at
 # most this many tokens: its logits alone are n x n_vocab floats (Qwen3's 151936: 2.5 GB at
@@ -40,7 +37,6 @@ class Model:
         if arch_name not in ARCHS:
             raise GGUFError(f"{f.path}: architecture {arch_name!r} is not supported (moeforge runs "
                             f"{', '.join(ARCHS)})")
-        _refuse_numpy_only(f, backend)
         arch, graph = ARCHS[arch_name]
         self._forward = graph.forward
         refs = arch.open_model(f, merge=merge_gate_up)   # validates everything before any upload
@@ -314,15 +310,7 @@ def load_model(path, backend: str = "cuda", **kwargs) -> Model:
     less than n_ctx; llama.cpp's --swa-full). Validation errors are GGUFError (a ValueError)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    f = GGUFFile(path)
     if backend == "cuda":
-        _refuse_numpy_only(f, backend)     # what the file is before whether a GPU is there
         from .device import require_gpu
         require_gpu("the cuda backend")
-    return Model(f, backend, **kwargs)
-
-
-def _refuse_numpy_only(f: GGUFFile, backend: str) -> None:
-    if backend == "cuda" and f.architecture in NUMPY_ONLY:
-        raise GGUFError(f"{f.path}: {f.architecture} runs on the numpy backend only for now "
-                        f"({NUMPY_ONLY[f.architecture]}): backend='numpy'")
+    return Model(GGUFFile(path), backend, **kwargs)

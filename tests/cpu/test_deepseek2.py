@@ -126,14 +126,6 @@ def test_v2_lite_preset_is_v2_lite_sized():
     assert 15.5e9 < n < 16.0e9, n
 
 
-def test_numpy_only_architectures_are_refused_on_cuda_first(parity_models, monkeypatch):
-    """An architecture the CUDA backend cannot run yet is said so before any GPU is looked for."""
-    from moeforge.runtime import model
-    monkeypatch.setitem(model.NUMPY_ONLY, "deepseek2", "a reason")
-    with pytest.raises(GGUFError, match="numpy backend only.*a reason"):
-        load_model(parity_models["ds-f32"]["path"], backend="cuda")
-
-
 @pytest.mark.parametrize("change,match", [
     (dict(drop_kv="deepseek2.attention.key_length_mla"), "convert the model again"),
     (dict(drop="blk.1.attn_k_b.weight"), "attn_k_b"),
