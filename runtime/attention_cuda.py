@@ -41,6 +41,13 @@ def check_mla(hp) -> None:
                          f"{hp.n_head_kv} kv heads, a latent of {r}, rows of {D} and {m.nope_dim} nope values")
 
 
+def mla_prefill_smem(bufs: int) -> int:
+    """attn_prefill_mla's shared memory: f16 q [2][16][584], key tiles [bufs][64][584] and P
+    [2][16][72], float maxima and sums [2][2][16] (templates/mla_prefill.cuh.j2)."""
+    ls = MLA_MAX_D + 8
+    return 2 * (2 * 16 * ls + bufs * 64 * ls + 2 * 16 * 72) + 4 * 2 * 2 * 16
+
+
 def mla_prompt_on_kernel(n: int, pos0: int) -> bool:
     """Whether a prompt ubatch of n tokens after pos0 cached runs attn_decode_mla."""
     return n * (pos0 + (n + 1) / 2) <= MLA_KERNEL_MAX_PAIRS
@@ -225,10 +232,10 @@ class CudaAttentionOps:
         return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
 
     def mla_on_cublas(self, n: int, pos0: int) -> bool:
-        """A latent-attention pass of n > 1 tokens after pos0 cached past the kernel's
-        bound: cuBLAS with CuPy temporaries sized by the context, so run eagerly
+        """A latent-attention pass of n > 1 tokens after pos0 cached that attn_prefill_mla
+        does not take, past the FMA kernel's bound: cuBLAS with CuPy temporaries sized by the context, so run eagerly
         (prompt_step) and never captured."""
-        return bool(self.hp.mla) and n > 1 and not mla_prompt_on_kernel(n, pos0)
+        return bool(self.hp.mla) and n > 1 and not self._mla_prefill_bufs(n) and not mla_prompt_on_kernel(n, pos0)
 
     def _attn_mla(self, kc, q: "MlaQuery", pos, name, n_ctx: int, n: int):
         """Latent attention (attn_decode_mla, then its merge where a token's positions are
@@ -237,11 +244,18 @@ class CudaAttentionOps:
         of 256 fits), fewer where the context cannot give each MLA_MIN_ROWS; the kernels work
         out on the device which blocks have positions (at least MLA_MIN_ROWS each). From 132
         tokens (an SM's worth) a block takes all of a token's positions and writes the
-        output itself. Prompts run on FMA, not tensor cores: 16 heads x 576 against each
-        cached row a token, the rows from L2."""
+        output itself. Prompts at f16 precision run on tensor cores (attn_prefill_mla), the
+        others on FMA: 16 heads x 576 against each cached row a token, the rows from L2."""
         hp = self.hp
         r, D, H, m = hp.v_dim, hp.head_dim, hp.n_head, hp.mla     # within check_mla's limits
         groups = -(-H // MLA_HEADS)
+        bufs = self._mla_prefill_bufs(n)
+        if bufs:
+            out = self.ws(name, (n, H * r))
+            self.kernel("attn_prefill_mla")((-(-n // 2), groups), (128,), (
+                q.lat, q.q, kc, pos, out, _i32(n), _i32(H), _i32(m.nope_dim), _f32(hp.kq_scale * math.log2(math.e)),
+                _i32(bufs)), smem=mla_prefill_smem(bufs))
+            return out
         sms = self._device()["sm_count"]
         splits = max(1, min(-(-n_ctx // MLA_MIN_ROWS), sms // (groups * n), MLA_MAX_SPLITS))
         part = self.ws("attn_part_mla", (n * groups * splits * MLA_HEADS * (r + 2),)) if splits > 1 else _NULL
@@ -253,6 +267,19 @@ class CudaAttentionOps:
             self.kernel("attn_decode_mla_merge")((H, -(-r // 128), n), (128,), (
                 part, out, pos, _i32(H), _i32(r), _i32(splits), _i32(MLA_MIN_ROWS)))
         return out
+
+    def _mla_prefill_bufs(self, n: int) -> int:
+        """attn_prefill_mla's key tile buffers where it takes a prompt of n tokens (f16
+        precision, sm_80+, DeepSeek's 512 + 64 latent rows, heads in whole groups of 16; two
+        tiles of an f16 cache where they fit), else 0."""
+        hp, info = self.hp, self._device()
+        if (n < 2 or self.attn_precision != "f16" or int(info["cc"].split(".")[0]) < 8 or hp.v_dim != MLA_MAX_R
+                or hp.head_dim != MLA_MAX_D or hp.n_head % MLA_HEADS):
+            return 0
+        for bufs in (2, 1) if self.cache_type == "f16" else (1,):
+            if mla_prefill_smem(bufs) <= info["smem_per_block_optin"]:
+                return bufs
+        return 0
 
     def _attn_cublas(self, kc, vc, q, pos0, n, scale, extra):
         """Heads no kernel takes: cuBLAS on views of the cache (CuPy temporaries: such a pass

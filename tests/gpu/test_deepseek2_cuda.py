@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_cache_consistent, assert_matches_emulation, assert_top1_and_kl
+from moeforge.reference import nmse
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
 
@@ -152,3 +153,76 @@ def test_decode_attention_kernel(n_head, L, cache_type):
     got = outs[0].reshape(n_head, 512)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def _emulate_prefill_mla(q, rows, pos, scale_log2, r=512):
+    """attn_prefill_mla's arithmetic in float64: q * scale * log2 e (float32) and the rows
+    rounded to f16, per 64-key tile from 0 a running max, p rounded to f16 in P . V (its
+    unrounded value in the sum)."""
+    f16 = lambda x: np.asarray(x).astype(np.float16).astype(np.float64)  # noqa: E731
+    qh = f16(q * np.float32(scale_log2))
+    K = f16(rows)
+    out = np.zeros(q.shape[:2] + (r,))
+    for t, lim in enumerate(pos):
+        m = np.full(q.shape[1], -np.inf)
+        den, o = np.zeros(q.shape[1]), np.zeros((q.shape[1], r))
+        for j0 in range(0, lim + 1, 64):
+            ks = K[j0:min(j0 + 64, lim + 1)]
+            s = qh[t] @ ks.T
+            mn = np.maximum(m, s.max(1))
+            a, p = np.exp2(m - mn), np.exp2(s - mn[:, None])
+            den, o, m = den * a + p.sum(1), o * a[:, None] + f16(p) @ ks[:, :r], mn
+        out[t] = o / den[:, None]
+    return out
+
+
+@pytest.mark.parametrize("n_head", [16, 32])
+@pytest.mark.parametrize("n,pos0", [(2, 0), (3, 0), (37, 70), (130, 0), (64, 600)])
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+def test_prompt_attention_on_tensor_cores(n_head, n, pos0, cache_type):
+    """attn_prefill_mla (f16 precision) against the emulation of its rounding (float64): two
+    tokens a block (an odd prompt leaves a block one), 16 heads a pair of warps, positions
+    after pos0 cached ones, both caches (a float32 cache converted by the block, an f16 one
+    copied in two tiles), and against unrounded float64 (NMSE); poisoned output, the same
+    bits twice."""
+    import cupy as cp
+    from moeforge.runtime.arch import MLA, HParams
+    from moeforge.runtime.attention_cuda import MlaQuery
+    from moeforge.runtime.backend_cuda import CudaBackend
+    rng = np.random.default_rng()
+    hp = HParams(n_vocab=32, n_embd=64, n_layer=1, n_head=n_head, n_head_kv=1, head_dim=576, n_ff_exp=64,
+                 n_expert=8, n_expert_used=2, rms_eps=1e-6, rope_base=1e4, n_ctx_train=4096,
+                 mla=MLA(512, 128, 64, 128, 0.1147214))
+    B = CudaBackend(hp, attn_precision="f16", cache_type=cache_type)
+    assert B._mla_prefill_bufs(n) == (2 if cache_type == "f16" else 1)
+    L = pos0 + n
+    cache = B.new_cache(1024)
+    rows = (rng.standard_normal((L, 576)) * rng.uniform(0.5, 2.0)).astype(np.float32)
+    if cache_type == "f16":
+        rows = rows.astype(np.float16).astype(np.float32)
+    cache.k[0][:L] = cp.asarray(rows).astype(cache.k[0].dtype)
+    lat = (rng.standard_normal((n, n_head, 512)) * 0.5).astype(np.float32)
+    qfull = (rng.standard_normal((n, n_head, 192)) * 0.5).astype(np.float32)
+    positions = np.arange(pos0, L, dtype=np.int32)
+    pos = cp.asarray(positions)
+    outs = []
+    for _ in range(2):
+        B.ws("attn", (n, n_head * 512))[...] = cp.nan
+        with B.context():
+            o = B.attention(cache, 0, MlaQuery(cp.asarray(lat), cp.asarray(qfull.reshape(n, -1))), pos, pos0, n,
+                            "attn")
+        B.synchronize()
+        outs.append(cp.asnumpy(o))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    got = outs[0].reshape(n, n_head, 512)
+    assert np.isfinite(got).all()
+    q = np.concatenate([lat, qfull[..., 128:]], axis=-1)
+    want = _emulate_prefill_mla(q, rows, positions, hp.kq_scale * np.log2(np.e))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+    # and against attention in float64 on the same rows, nothing rounded: the f16 error bar
+    exact = np.empty_like(want)
+    for t, lim in enumerate(positions):
+        s = q[t].astype(np.float64) @ rows[:lim + 1].T.astype(np.float64) * hp.kq_scale
+        p = np.exp(s - s.max(-1, keepdims=True))
+        exact[t] = (p / p.sum(-1, keepdims=True)) @ rows[:lim + 1, :512].astype(np.float64)
+    assert nmse(got, exact) <= 5e-4
