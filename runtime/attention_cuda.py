@@ -264,7 +264,7 @@ class CudaAttentionOps:
             q.lat, q.q, kc, pos, part, out, _i32(H), _i32(D), _i32(r), _i32(m.nope_dim),
             _f32(hp.kq_scale * math.log2(math.e)), _i32(MLA_MIN_ROWS)))
         if splits > 1:
-            self.kernel("attn_decode_mla_merge")((H, -(-r // 128), n), (128,), (
+            self.kernel("attn_decode_mla_merge")((H, -(-r // 64), n), (256,), (
                 part, out, pos, _i32(H), _i32(r), _i32(splits), _i32(MLA_MIN_ROWS)))
         return out
 
