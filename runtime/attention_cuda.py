@@ -55,8 +55,8 @@ def mla_prompt_on_kernel(n: int, pos0: int) -> bool:
 
 @dataclass
 class MlaQuery:
-    """One token's latent-attention query where it lies: the heads' absorbed latent parts
-    (1, H, r) and q itself (1, H (nope + rope)), whose RoPE parts attn_decode_mla reads."""
+    """n tokens' latent-attention queries where they lie: the heads' absorbed latent parts
+    (n, H, r) and q itself (n, H (nope + rope)), whose RoPE parts the kernels read."""
     lat: object
     q: object
 

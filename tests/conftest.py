@@ -19,11 +19,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def run_seed() -> int:
+    """A fresh seed every run, or MOEFORGE_SEED's (to replay a failure)."""
+    return int(os.environ.get("MOEFORGE_SEED", np.random.SeedSequence().entropy % 2**32))
+
+
 @pytest.fixture
 def rng(request):
     """Fresh random inputs every run; the seed is printed so a failure can be replayed
     (MOEFORGE_SEED=... pytest ...)."""
-    seed = int(os.environ.get("MOEFORGE_SEED", np.random.SeedSequence().entropy % 2**32))
+    seed = run_seed()
     print(f"\n[seed {seed}] {request.node.name}")
     return np.random.default_rng(seed)
 
@@ -167,6 +172,16 @@ def assert_top1_and_kl(ref, got, bar=1e-3):
     assert top.all(), f"top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
     kl = kl_per_token(ref, got)
     assert kl.mean() < bar, f"mean KL {kl.mean():.2e} (max {kl.max():.2e})"
+
+
+def assert_matches_llama_cpp(fx, got, float_weights: bool):
+    """A llama.cpp parity fixture's bar (issue 4) on a model's logits got: float32, its
+    shape, finite, the same top-1 at every position and mean KL < 1e-3; float weights also
+    elementwise (1e-3)."""
+    assert got.shape == fx["logits"].shape and got.dtype == np.float32 and np.isfinite(got).all()
+    assert_top1_and_kl(fx["logits"], got)
+    if float_weights:
+        assert np.abs(got - fx["logits"]).max() < 1e-3
 
 
 def assert_cache_consistent(m, toks, cuts, rel=None):

@@ -4,14 +4,13 @@ value heads of 128) on tiny other dimensions, against the numpy backend that emu
 kernels: prompts in ubatches and decode steps (latent attention on its own kernels, the
 passes captured as CUDA graphs), q8_0 and q4_0, low-rank q; and the one-token latent
 attention kernel against float64."""
-import os
 import warnings
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from conftest import assert_cache_consistent, assert_matches_emulation, assert_top1_and_kl
+from conftest import assert_cache_consistent, assert_matches_emulation, assert_matches_llama_cpp, run_seed
 from moeforge.reference import nmse
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
@@ -30,16 +29,13 @@ def test_cuda_matches_llama_cpp(parity_models, name):
     fx = parity_models[name]
     m = load_model(fx["path"], backend="cuda")
     got = m.logits(fx["tokens"])
-    assert got.shape == fx["logits"].shape and np.isfinite(got).all()
-    assert_top1_and_kl(fx["logits"], got)
-    if name.endswith("f32"):
-        assert np.abs(got - fx["logits"]).max() < 1e-3
+    assert_matches_llama_cpp(fx, got, name.endswith("f32"))
 
 
 @pytest.fixture(scope="module")
 def lite_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("ds")
-    seed = int(os.environ.get("MOEFORGE_SEED", np.random.default_rng().integers(1 << 30)))
+    seed = run_seed()
     out = {}
     for t in ("f32", "q8_0", "q4_0"):
         p = d / f"lite-{t}.gguf"

@@ -4,14 +4,13 @@ routed experts plus the shared one a token (9 slots: past the fused one-token do
 product's 8), against the numpy backend that emulates the kernels: prompts in ubatches,
 decode steps in CUDA graphs (per-head and grouped attention), batches past decode sizes,
 a shared expert of another type kept apart."""
-import os
 import warnings
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from conftest import assert_matches_emulation, assert_top1_and_kl, kl_per_token, rewrite
+from conftest import assert_matches_emulation, assert_matches_llama_cpp, kl_per_token, rewrite, run_seed
 from moeforge.runtime.backend_numpy import NumpyBackend
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
@@ -29,16 +28,13 @@ def test_cuda_matches_llama_cpp(parity_models, name):
     KL per token < 1e-3; float weights also elementwise."""
     fx = parity_models[name]
     got = load_model(fx["path"], backend="cuda").logits(fx["tokens"])
-    assert got.shape == fx["logits"].shape and np.isfinite(got).all()
-    assert_top1_and_kl(fx["logits"], got)
-    if name.endswith("f32"):
-        assert np.abs(got - fx["logits"]).max() < 1e-3
+    assert_matches_llama_cpp(fx, got, name.endswith("f32"))
 
 
 @pytest.fixture(scope="module")
 def mid_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("glm")
-    seed = int(os.environ.get("MOEFORGE_SEED", np.random.default_rng().integers(1 << 30)))
+    seed = run_seed()
     out = {}
     for qk in (False, True):
         for t in ("f32", "q8_0", "q4_0"):

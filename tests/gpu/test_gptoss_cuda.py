@@ -2,13 +2,12 @@
 and SwiGLU-OAI experts, against the numpy backend that emulates the kernels, through every
 attention kernel (decode with and without splits, the three prompt kernels, cuBLAS's path),
 both cache types, prompts over several ubatches and decode past the window."""
-import os
 import warnings
 
 import numpy as np
 import pytest
 
-from conftest import assert_matches_emulation, assert_top1_and_kl
+from conftest import assert_matches_emulation, assert_matches_llama_cpp, run_seed
 from moeforge.runtime.backend_numpy import NumpyBackend
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
@@ -22,7 +21,7 @@ N_TOKENS = 150
 @pytest.fixture(scope="module")
 def oss_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("oss")
-    seed = int(os.environ.get("MOEFORGE_SEED", np.random.default_rng().integers(1 << 30)))
+    seed = run_seed()
     out = {}
     for t in ("f32", "q8_0", "mxfp4_moe"):
         p = d / f"tiny-oss-{t}.gguf"
@@ -75,10 +74,7 @@ def test_cuda_matches_llama_cpp(parity_models, name):
     mean KL per token < 1e-3; float weights also elementwise."""
     fx = parity_models[name]
     got = load_model(fx["path"], backend="cuda").logits(fx["tokens"])
-    assert got.shape == fx["logits"].shape and np.isfinite(got).all()
-    assert_top1_and_kl(fx["logits"], got)
-    if name.endswith("f32"):
-        assert np.abs(got - fx["logits"]).max() < 1e-3
+    assert_matches_llama_cpp(fx, got, name.endswith("f32"))
 
 
 @pytest.mark.parametrize("name", ["f32", "q8_0", "mxfp4_moe"])

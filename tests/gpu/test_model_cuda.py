@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import assert_top1_and_kl, kl_per_token
+from conftest import assert_matches_llama_cpp, assert_top1_and_kl, kl_per_token
 from moeforge.runtime.model import load_model
 
 pytestmark = pytest.mark.gpu
@@ -29,10 +29,7 @@ def test_cuda_matches_llama_cpp(parity_models, name):
     """The issue's bar: the same top-1 token at every position, mean KL per token < 1e-3."""
     fx = parity_models[name]
     got = load_model(fx["path"], backend="cuda").logits(fx["tokens"])
-    assert got.shape == fx["logits"].shape and got.dtype == np.float32 and np.isfinite(got).all()
-    assert_top1_and_kl(fx["logits"], got)
-    if name == "f32":
-        assert np.abs(got - fx["logits"]).max() < 1e-3
+    assert_matches_llama_cpp(fx, got, name == "f32")
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_K", "q4_K_M"])
