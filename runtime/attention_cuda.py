@@ -28,6 +28,13 @@ MLA_MIN_ROWS = 16
 # against 6252 eager on cuBLAS, at depth 4096 (2.2M pairs) 2659 against 6736; the kernel's
 # pass grows ~41 ms a 0.5M pairs (~12 TFLOPs), the eager pass stays ~65-80 ms.
 MLA_KERNEL_MAX_PAIRS = 640_000
+# A decode step's latent attention at f16 precision and with an f16 cache on attn_prefill_mla
+# (tensor cores, its positions split as attn_decode_mla splits them, the same merge); False:
+# attn_decode_mla. H200, synthetic DeepSeek-V2-Lite q4_0, tg128 at depth 0 / 4096: f16 cache
+# 544.7 / 505.5 t/s against 538.4 / 474.6 on FMA; a float32 cache (its tiles converted by
+# the block, one buffer) 528.7 / 489.4 against 539.6 / 475.6, slower for short contexts,
+# so it stays on FMA.
+MLA_DECODE_TC = True
 
 
 def check_mla(hp) -> None:
@@ -244,37 +251,42 @@ class CudaAttentionOps:
         of 256 fits), fewer where the context cannot give each MLA_MIN_ROWS; the kernels work
         out on the device which blocks have positions (at least MLA_MIN_ROWS each). From 132
         tokens (an SM's worth) a block takes all of a token's positions and writes the
-        output itself. Prompts at f16 precision run on tensor cores (attn_prefill_mla), the
-        others on FMA: 16 heads x 576 against each cached row a token, the rows from L2."""
+        output itself. At f16 precision prompts, and an f16 cache's decode steps, run on
+        tensor cores (attn_prefill_mla, a decode step's positions split as attn_decode_mla's,
+        the same merge), the others on FMA: 16 heads x 576 against each cached row a token."""
         hp = self.hp
         r, D, H, m = hp.v_dim, hp.head_dim, hp.n_head, hp.mla     # within check_mla's limits
         groups = -(-H // MLA_HEADS)
+        scale_log2 = _f32(hp.kq_scale * math.log2(math.e))
         bufs = self._mla_prefill_bufs(n)
-        if bufs:
-            out = self.ws(name, (n, H * r))
-            self.kernel("attn_prefill_mla")((-(-n // 2), groups), (128,), (
-                q.lat, q.q, kc, pos, out, _i32(n), _i32(H), _i32(m.nope_dim), _f32(hp.kq_scale * math.log2(math.e)),
-                _i32(bufs)), smem=mla_prefill_smem(bufs))
-            return out
         sms = self._device()["sm_count"]
-        splits = max(1, min(-(-n_ctx // MLA_MIN_ROWS), sms // (groups * n), MLA_MAX_SPLITS))
+        # a decode step's positions split over the SMs; a prompt's tokens fill them on the
+        # tensor cores, and from 132 tokens on attn_decode_mla
+        splits = 1 if bufs and n > 1 else max(1, min(-(-n_ctx // MLA_MIN_ROWS), sms // (groups * n), MLA_MAX_SPLITS))
         part = self.ws("attn_part_mla", (n * groups * splits * MLA_HEADS * (r + 2),)) if splits > 1 else _NULL
         out = self.ws(name, (n, H * r))
-        self.kernel("attn_decode_mla")((splits, groups, n), (256,), (
-            q.lat, q.q, kc, pos, part, out, _i32(H), _i32(D), _i32(r), _i32(m.nope_dim),
-            _f32(hp.kq_scale * math.log2(math.e)), _i32(MLA_MIN_ROWS)))
+        if bufs:
+            # (a decode step's block: its second pair of warps has no token, but loads)
+            self.kernel("attn_prefill_mla")((-(-n // 2), groups, splits), (128,), (
+                q.lat, q.q, kc, pos, part, out, _i32(n), _i32(H), _i32(m.nope_dim), scale_log2, _i32(bufs),
+                _i32(MLA_MIN_ROWS)), smem=mla_prefill_smem(bufs))
+        else:
+            self.kernel("attn_decode_mla")((splits, groups, n), (256,), (
+                q.lat, q.q, kc, pos, part, out, _i32(H), _i32(D), _i32(r), _i32(m.nope_dim), scale_log2,
+                _i32(MLA_MIN_ROWS)))
         if splits > 1:
             self.kernel("attn_decode_mla_merge")((H, -(-r // 64), n), (256,), (
                 part, out, pos, _i32(H), _i32(r), _i32(splits), _i32(MLA_MIN_ROWS)))
         return out
 
     def _mla_prefill_bufs(self, n: int) -> int:
-        """attn_prefill_mla's key tile buffers where it takes a prompt of n tokens (f16
-        precision, sm_80+, DeepSeek's 512 + 64 latent rows, heads in whole groups of 16; two
-        tiles of an f16 cache where they fit), else 0."""
+        """attn_prefill_mla's key tile buffers where it takes n tokens (f16 precision, sm_80+,
+        DeepSeek's 512 + 64 latent rows, heads in whole groups of 16; a decode step with an
+        f16 cache while MLA_DECODE_TC; two tiles of an f16 cache where they fit), else 0."""
         hp, info = self.hp, self._device()
-        if (n < 2 or self.attn_precision != "f16" or int(info["cc"].split(".")[0]) < 8 or hp.v_dim != MLA_MAX_R
-                or hp.head_dim != MLA_MAX_D or hp.n_head % MLA_HEADS):
+        decode_tc = MLA_DECODE_TC and self.cache_type == "f16"
+        if (n < 1 or (n == 1 and not decode_tc) or self.attn_precision != "f16" or int(info["cc"].split(".")[0]) < 8
+                or hp.v_dim != MLA_MAX_R or hp.head_dim != MLA_MAX_D or hp.n_head % MLA_HEADS):
             return 0
         for bufs in (2, 1) if self.cache_type == "f16" else (1,):
             if mla_prefill_smem(bufs) <= info["smem_per_block_optin"]:

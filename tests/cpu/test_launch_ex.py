@@ -94,7 +94,7 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
     decode = {n for n in bodies if n.startswith("attn_decode_") and not n.startswith("attn_decode_mla")}
     assert len(decode) == len(ModelSpec.DECODE_WIDTHS) + 12      # + the grouped ones (FMA and tensor cores)
     prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route", "router_route_cluster",
-                   "router_route_keyed", "router_route_cluster_keyed", "attn_decode_mla"} | decode
+                   "router_route_keyed", "router_route_cluster_keyed", "attn_decode_mla", "attn_prefill_mla"} | decode
     rows = render(spec)
     src_helper = rows[rows.index("void attn_rows("):]
     src_helper = src_helper[:src_helper.index("\n}\n")]
@@ -107,11 +107,13 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
         if name not in prefetching:
             assert pre.strip() == "", f"{name} starts with {pre.strip()[:60]!r}"
             continue
-        if name == "attn_decode_mla":
+        if name in ("attn_decode_mla", "attn_prefill_mla"):
             # L2 requests for the rows before the pass's first position (earlier passes stored
             # them; the kernel before writes this pass's), and nothing loaded or written
-            assert "const int stored = min(j1, pos[0]);" in pre and 'prefetch.global.L2' in pre, name
-            for touched in ("q_lat[", "q[", "part[", "out[", "qs[", "sc[", "__syncthreads", "kv_load2"):
+            assert ("const int stored = min(j1, pos[0]);" if name == "attn_decode_mla"
+                    else "const int stored = min(hi, pos[0]);") in pre and 'prefetch.global.L2' in pre, name
+            for touched in ("q_lat[", "q[", "part[", "out[", "qs[", "sc[", "Qs", "Kb", "__syncthreads", "kv_load2",
+                            "copy16_async", "mlap_tile"):
                 assert touched not in pre, f"{name} touches {touched!r} before its wait"
             continue
         if name in decode:

@@ -172,15 +172,21 @@ def _emulate_prefill_mla(q, rows, pos, scale_log2, r=512):
     return out
 
 
+# decode steps (n = 1) with an f16 cache only: a float32 cache's stay on attn_decode_mla
+_TC_CASES = [(n, pos0, c) for c in ("f32", "f16")
+             for n, pos0 in [(1, 0), (1, 15), (1, 700), (1, 4095), (2, 0), (3, 0), (37, 70), (130, 0), (64, 600)]
+             if n > 1 or c == "f16"]
+
+
 @pytest.mark.parametrize("n_head", [16, 32])
-@pytest.mark.parametrize("n,pos0", [(2, 0), (3, 0), (37, 70), (130, 0), (64, 600)])
-@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+@pytest.mark.parametrize("n,pos0,cache_type", _TC_CASES)
 def test_prompt_attention_on_tensor_cores(n_head, n, pos0, cache_type):
     """attn_prefill_mla (f16 precision) against the emulation of its rounding (float64): two
     tokens a block (an odd prompt leaves a block one), 16 heads a pair of warps, positions
-    after pos0 cached ones, both caches (a float32 cache converted by the block, an f16 one
-    copied in two tiles), and against unrounded float64 (NMSE); poisoned output, the same
-    bits twice."""
+    after pos0 cached ones; a decode step (n = 1, an f16 cache) with its positions split
+    over the SMs as attn_decode_mla splits them (16 a block at least) and merged by its
+    merge; both caches (a float32 cache converted by the block, an f16 one copied in two
+    tiles), and against unrounded float64 (NMSE); poisoned output, the same bits twice."""
     import cupy as cp
     from moeforge.runtime.arch import MLA, HParams
     from moeforge.runtime.attention_cuda import MlaQuery
@@ -191,8 +197,9 @@ def test_prompt_attention_on_tensor_cores(n_head, n, pos0, cache_type):
                  mla=MLA(512, 128, 64, 128, 0.1147214))
     B = CudaBackend(hp, attn_precision="f16", cache_type=cache_type)
     assert B._mla_prefill_bufs(n) == (2 if cache_type == "f16" else 1)
+    assert B._mla_prefill_bufs(1) == (2 if cache_type == "f16" else 0)
     L = pos0 + n
-    cache = B.new_cache(1024)
+    cache = B.new_cache(4096)
     rows = (rng.standard_normal((L, 576)) * rng.uniform(0.5, 2.0)).astype(np.float32)
     if cache_type == "f16":
         rows = rows.astype(np.float16).astype(np.float32)
