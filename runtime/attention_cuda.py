@@ -35,6 +35,12 @@ MLA_KERNEL_MAX_PAIRS = 640_000
 # the block, one buffer) 528.7 / 489.4 against 539.6 / 475.6, slower for short contexts,
 # so it stays on FMA.
 MLA_DECODE_TC = True
+# attn_prefill_mla's key tile (its MLAP_KEYS). A decode step's splits there take a tile at
+# least once the context gives each more than MLA_MIN_ROWS (mla_rows_per_split; the merge
+# is told). Alternating processes, tg128 at depth 0 / 4096 / 16384: 545.0 / 523.3 / 471.6
+# against 545.5 / 507.0 / 471.8 with splits of MLA_MIN_ROWS; in one process, whole tiles
+# (16384: 128 splits of 128) 461.3 there, a split every second SM 547.8 / 520.7 / 433.2.
+MLA_TC_KEYS = 64
 
 
 def check_mla(hp) -> None:
@@ -52,7 +58,7 @@ def mla_prefill_smem(bufs: int) -> int:
     """attn_prefill_mla's shared memory: f16 q [2][16][584], key tiles [bufs][64][584] and P
     [2][16][72], float maxima and sums [2][2][16] (templates/mla_prefill.cuh.j2)."""
     ls = MLA_MAX_D + 8
-    return 2 * (2 * 16 * ls + bufs * 64 * ls + 2 * 16 * 72) + 4 * 2 * 2 * 16
+    return 2 * (2 * 16 * ls + bufs * MLA_TC_KEYS * ls + 2 * 16 * (MLA_TC_KEYS + 8)) + 4 * 2 * 2 * 16
 
 
 def mla_prompt_on_kernel(n: int, pos0: int) -> bool:
@@ -276,7 +282,8 @@ class CudaAttentionOps:
                 _i32(MLA_MIN_ROWS)))
         if splits > 1:
             self.kernel("attn_decode_mla_merge")((H, -(-r // 64), n), (256,), (
-                part, out, pos, _i32(H), _i32(r), _i32(splits), _i32(MLA_MIN_ROWS)))
+                part, out, pos, _i32(H), _i32(r), _i32(splits), _i32(MLA_MIN_ROWS),
+                _i32(MLA_TC_KEYS if bufs else 1)))
         return out
 
     def _mla_prefill_bufs(self, n: int) -> int:

@@ -174,7 +174,8 @@ def _emulate_prefill_mla(q, rows, pos, scale_log2, r=512):
 
 # decode steps (n = 1) with an f16 cache only: a float32 cache's stay on attn_decode_mla
 _TC_CASES = [(n, pos0, c) for c in ("f32", "f16")
-             for n, pos0 in [(1, 0), (1, 15), (1, 700), (1, 4095), (2, 0), (3, 0), (37, 70), (130, 0), (64, 600)]
+             for n, pos0 in [(1, 0), (1, 15), (1, 700), (1, 3000), (1, 4095), (2, 0), (3, 0), (37, 70), (130, 0),
+                             (64, 600)]
              if n > 1 or c == "f16"]
 
 
@@ -184,8 +185,8 @@ def test_prompt_attention_on_tensor_cores(n_head, n, pos0, cache_type):
     """attn_prefill_mla (f16 precision) against the emulation of its rounding (float64): two
     tokens a block (an odd prompt leaves a block one), 16 heads a pair of warps, positions
     after pos0 cached ones; a decode step (n = 1, an f16 cache) with its positions split
-    over the SMs as attn_decode_mla splits them (16 a block at least) and merged by its
-    merge; both caches (a float32 cache converted by the block, an f16 one copied in two
+    over the SMs as attn_decode_mla splits them (16 a block at least, past that whole
+    64-key tiles) and merged by its merge; both caches (a float32 cache converted by the block, an f16 one copied in two
     tiles), and against unrounded float64 (NMSE); poisoned output, the same bits twice."""
     import cupy as cp
     from moeforge.runtime.arch import MLA, HParams
