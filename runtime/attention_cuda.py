@@ -266,8 +266,8 @@ class CudaAttentionOps:
         scale_log2 = _f32(hp.kq_scale * math.log2(math.e))
         bufs = self._mla_prefill_bufs(n)
         sms = self._device()["sm_count"]
-        # a decode step's positions split over the SMs; a prompt's tokens fill them on the
-        # tensor cores, and from 132 tokens on attn_decode_mla
+        # a decode step's positions split over the SMs, and on attn_decode_mla a prompt's
+        # until its tokens fill them (132); attn_prefill_mla's prompt tokens fill them as such
         splits = 1 if bufs and n > 1 else max(1, min(-(-n_ctx // MLA_MIN_ROWS), sms // (groups * n), MLA_MAX_SPLITS))
         part = self.ws("attn_part_mla", (n * groups * splits * MLA_HEADS * (r + 2),)) if splits > 1 else _NULL
         out = self.ws(name, (n, H * r))
