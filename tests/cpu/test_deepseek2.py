@@ -199,3 +199,20 @@ def test_cuda_latent_limits_are_checked_before_any_kernel(parity_models):
                       (replace(lite, n_head_kv=2), "2 kv heads")):
         with pytest.raises(ValueError, match=what):
             check_mla(bad)
+
+
+def test_runtime_counts_the_tensor_core_kernels_key_tile():
+    """The merge learns a decode split's tile from the runtime (MLA_TC_KEYS) while
+    attn_prefill_mla splits by its own MLAP_KEYS, and mla_prefill_smem sizes its tiles by the
+    runtime's: a tile changed in one place only would merge the wrong splits or overrun
+    shared memory."""
+    import re
+    from moeforge.codegen.render import render
+    from moeforge.codegen.spec import ModelSpec
+    from moeforge.runtime.attention_cuda import MLA_MAX_D, MLA_TC_KEYS, mla_prefill_smem
+    src = render(ModelSpec(cache="f16"))
+    assert int(re.search(r"#define MLAP_KEYS (\d+)", src).group(1)) == MLA_TC_KEYS
+    assert "mla_rows_per_split(hi, gridDim.z, min_rows, MLAP_KEYS)" in src
+    ls = MLA_MAX_D + 8       # the row stride the template pads to (MLAP_LS)
+    assert re.search(r"#define MLAP_LS \(MLA_MAX_D \+ 8\)", src)
+    assert mla_prefill_smem(2) - mla_prefill_smem(1) == 2 * MLA_TC_KEYS * ls
