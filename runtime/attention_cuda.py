@@ -246,8 +246,8 @@ class CudaAttentionOps:
 
     def mla_on_cublas(self, n: int, pos0: int) -> bool:
         """A latent-attention pass of n > 1 tokens after pos0 cached that attn_prefill_mla
-        does not take, past the FMA kernel's bound: cuBLAS with CuPy temporaries sized by the context, so run eagerly
-        (prompt_step) and never captured."""
+        does not take, past the FMA kernel's bound: cuBLAS with CuPy temporaries sized by
+        the context, so run eagerly (prompt_step) and never captured."""
         return bool(self.hp.mla) and n > 1 and not self._mla_prefill_bufs(n) and not mla_prompt_on_kernel(n, pos0)
 
     def _attn_mla(self, kc, q: "MlaQuery", pos, name, n_ctx: int, n: int):

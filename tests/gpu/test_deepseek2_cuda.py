@@ -109,7 +109,7 @@ def test_cache_row_is_the_latent_and_the_roped_key(lite_models):
 @pytest.mark.parametrize("n_head", [4, 16, 20, 128])
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 700, 4096])
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
-def test_decode_attention_kernel(n_head, L, cache_type):
+def test_decode_attention_kernel(n_head, L, cache_type, rng):
     """attn_decode_mla and its merge against float64: n_head query heads (in groups of 16,
     the last one partial at 20) over one latent row a position (576 = 512 + 64; values the
     first 512), the positions split over a block an SM at a context of 4096 (at least 16
@@ -119,7 +119,6 @@ def test_decode_attention_kernel(n_head, L, cache_type):
     from moeforge.runtime.arch import MLA, HParams
     from moeforge.runtime.attention_cuda import MlaQuery
     from moeforge.runtime.backend_cuda import CudaBackend
-    rng = np.random.default_rng()
     hp = HParams(n_vocab=32, n_embd=64, n_layer=1, n_head=n_head, n_head_kv=1, head_dim=576, n_ff_exp=64,
                  n_expert=8, n_expert_used=2, rms_eps=1e-6, rope_base=1e4, n_ctx_train=4096,
                  mla=MLA(512, 128, 64, 128, 0.1147214))
@@ -181,18 +180,18 @@ _TC_CASES = [(n, pos0, c) for c in ("f32", "f16")
 
 @pytest.mark.parametrize("n_head", [16, 32])
 @pytest.mark.parametrize("n,pos0,cache_type", _TC_CASES)
-def test_prompt_attention_on_tensor_cores(n_head, n, pos0, cache_type):
+def test_prompt_attention_on_tensor_cores(n_head, n, pos0, cache_type, rng):
     """attn_prefill_mla (f16 precision) against the emulation of its rounding (float64): two
     tokens a block (an odd prompt leaves a block one), 16 heads a pair of warps, positions
     after pos0 cached ones; a decode step (n = 1, an f16 cache) with its positions split
-    over the SMs as attn_decode_mla splits them (16 a block at least, past that whole
-    64-key tiles) and merged by its merge; both caches (a float32 cache converted by the block, an f16 one copied in two
-    tiles), and against unrounded float64 (NMSE); poisoned output, the same bits twice."""
+    over the SMs as attn_decode_mla splits them (16 a block at least, past that a 64-key
+    tile at least) and merged by its merge; both caches (a float32 cache converted by the
+    block, an f16 one copied in two tiles), and against unrounded float64 (NMSE); poisoned
+    output, the same bits twice."""
     import cupy as cp
     from moeforge.runtime.arch import MLA, HParams
     from moeforge.runtime.attention_cuda import MlaQuery
     from moeforge.runtime.backend_cuda import CudaBackend
-    rng = np.random.default_rng()
     hp = HParams(n_vocab=32, n_embd=64, n_layer=1, n_head=n_head, n_head_kv=1, head_dim=576, n_ff_exp=64,
                  n_expert=8, n_expert_used=2, rms_eps=1e-6, rope_base=1e4, n_ctx_train=4096,
                  mla=MLA(512, 128, 64, 128, 0.1147214))
