@@ -336,8 +336,19 @@ class MmvqSpec(KernelSpec):
     def six_blocks(self) -> bool:
         """Launch bounds of six blocks an SM: the forms with one k-unit in flight, or guessing,
         whose weight buffers are small (at most eight 16-byte pieces a lane, both units)."""
+        if self.combine:
+            return False
         pieces = self.rows * (2 if self.act else 1) * (self.quant.qs_bytes // 16) * self.units
         return (self.guess or self.units == 1) and pieces <= 8
+
+    @property
+    def combine_blocks(self) -> int:
+        """Launch bounds of the combining form with one k-unit in flight: 32 warps an SM
+        (64 registers), so that a one-token down product of up to ~4 x SMs blocks of 8
+        warps (2048 rows of Qwen3's or DeepSeek's experts, 4 rows a block) runs in one
+        wave; with two units in flight it took 78-116 registers, three blocks or two. 0:
+        no bound."""
+        return 32 // self.warps if self.combine and self.units == 1 else 0
 
     def smem_bytes(self, k: int) -> int:
         """Dynamic shared memory of a launch for activations of width k."""
@@ -370,9 +381,9 @@ class MmvqSpec(KernelSpec):
             raise ValueError(f"{self.name}: ksplit belongs to the per-pair forms that neither guess nor combine")
         if self.units not in (1, 2):
             raise ValueError(f"{self.name}: units must be 1 or 2")
-        if self.units == 1 and not (self.guess or self.wait_first):
+        if self.units == 1 and not (self.guess or self.wait_first or self.combine):
             raise ValueError(f"{self.name}: one unit in flight belongs to the one-token expert forms (guess, "
-                             f"wait_first)")
+                             f"wait_first, combine)")
 
 
 @dataclass(frozen=True)

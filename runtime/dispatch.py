@@ -73,6 +73,15 @@ KSPLIT_WARPS = 2
 # lost 643 -> 630, at 3 gpt-oss-20b 664 -> 637 (BENCHMARKS.md).
 FUSED_KSPLIT_MIN_UNITS = 4
 FUSED_KSPLIT_WARPS = 4
+# The model's down product that adds its experts' sum to the residual (MmvqSpec.combine)
+# keeps one k-unit in flight a warp on rows of at most this many units: its launch bounds
+# then hold 32 warps an SM (MmvqSpec.combine_blocks), where two units' registers held 24 or
+# fewer and left a 2048-row product's 512 blocks of 8 warps a second wave. Longer rows keep
+# two units (a dense first layer's down, ~11 units: as many round trips). H200, tg128 /
+# @ d4096, one process, two units against one: Qwen3-30B-A3B (1 unit) 648.4 -> 682.0 /
+# 502.7 -> 523.1, DeepSeek-V2-Lite (2 units) 547.9 -> 558.0 / 525.5 -> 533.8, gpt-oss-20b
+# (3 units, blocks of 4 warps: one wave either way) 671.6 -> 672.4 / 622.7 -> 624.6.
+COMBINE_ONE_UNIT_MAX_UNITS = 2
 
 
 def row_units(k: int) -> int:
@@ -98,6 +107,17 @@ def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0, m: int = 0) -> MmvqS
     spec = MmvqSpec.decode(qtype, ids=ids, guess=guess)
     split = not ids and n == 1 and row_units(k) >= KSPLIT_MIN_UNITS and m <= KSPLIT_MAX_ROWS
     return replace(spec, ksplit=True, warps=KSPLIT_WARPS) if split else spec
+
+
+def default_combine(qtype: str, k: int, top_k: int) -> MmvqSpec:
+    """The decode form (MmvqSpec.decode) adding the weighted sum of a token's top_k expert
+    products to its residual row: a warp a slot, one k-unit in flight where the rows are
+    short (COMBINE_ONE_UNIT_MAX_UNITS)."""
+    warps = next((w for w in (1, 2, 4, 8) if w >= top_k), None)
+    if warps is None:
+        raise ValueError(f"the combining down product takes at most 8 slots a token, got {top_k}")
+    units = 1 if row_units(k) <= COMBINE_ONE_UNIT_MAX_UNITS else 2
+    return replace(MmvqSpec.decode(qtype), warps=warps, combine=True, units=units)
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0,

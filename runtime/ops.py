@@ -313,9 +313,7 @@ def run_mul_mat_id_combine(w: QuantTensor, x, ids, wts, xres, ids_settled: bool 
     x's quantizer): the model's down product and the weighted sum of its experts' outputs at
     decode, with moe_combine_rms_norm's arithmetic (n <= 8, top_k <= 8). No validation."""
     E, m, k = w.shape
-    n, top_k = ids.shape
-    warps = next(wp for wp in (1, 2, 4, 8) if wp >= top_k)
-    spec = dataclasses.replace(MmvqSpec.decode(w.qtype), warps=warps, combine=True)
+    spec = dispatch.default_combine(w.qtype, k, ids.shape[1])
     _mmvq(spec, w, x.reshape(-1, k), ids, 1, xres, m, ids_settled=ids_settled, combine=(wts, xres))
 
 

@@ -399,3 +399,31 @@ def test_lean_form_rule_and_source():
             _, log = cmod.nvrtc_compile(cmod.render(spec), spec.name, arch)
             info = cmod.parse_ptxas(log)[spec.symbol]
             assert info["spill_stores"] == 0, (spec.name, arch, info)
+
+
+def test_combining_down_product_keeps_one_unit_in_flight_on_short_rows():
+    """dispatch.default_combine: a warp a slot, one k-unit in flight on rows of up to two
+    units (Qwen3-30B-A3B's down, k = 768; DeepSeek-V2-Lite's, k = 1408), two on longer ones
+    (gpt-oss-20b's, k = 2880).
+    The one-unit form carries launch bounds of 32 warps an SM and fits them without
+    spilling, for every quant type and both targets: that is what puts a 2048-row product's
+    512 blocks in one wave."""
+    from moeforge.codegen import compile as cmod
+    from moeforge.codegen.quant import QUANT_TYPES
+    from moeforge.runtime import dispatch
+    short, long_ = dispatch.default_combine("q4_0", 1408, 6), dispatch.default_combine("mxfp4", 2880, 4)
+    assert (short.warps, short.units, short.combine_blocks) == (8, 1, 4)
+    assert (long_.warps, long_.units, long_.combine_blocks) == (4, 2, 0)
+    assert dispatch.default_combine("q8_0", 1024, 3).warps == 4
+    assert dispatch.default_combine("q8_0", 1024, 1).combine_blocks == 32
+    with pytest.raises(ValueError, match="8 slots"):
+        dispatch.default_combine("q4_0", 768, 9)
+    assert "__launch_bounds__(NTHREADS, 4)" in cmod.render(short)
+    assert "__launch_bounds__(NTHREADS)" in cmod.render(long_)
+    for q in QUANT_TYPES:
+        spec = dispatch.default_combine(q, 256, 8)
+        spec.check()
+        for arch in ("sm_80", "sm_90"):
+            _, log = cmod.nvrtc_compile(cmod.render(spec), spec.name, arch)
+            info = cmod.parse_ptxas(log)[spec.symbol]
+            assert info["spill_stores"] == 0 and info["registers"] <= 64, (spec.name, arch, info)

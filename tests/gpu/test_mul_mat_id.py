@@ -319,7 +319,8 @@ def test_direct_routing_changes_no_bit(rng, qtype, E, top_k, m, k, n, tx, stages
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("n,top_k,E,m,k", [(1, 8, 128, 2048, 768), (3, 6, 64, 200, 352), (8, 8, 16, 97, 256),
-                                           (2, 1, 8, 64, 128), (5, 3, 32, 130, 512)])
+                                           (2, 1, 8, 64, 128), (5, 3, 32, 130, 512), (1, 6, 64, 300, 1408),
+                                           (2, 4, 32, 97, 2880)])
 def test_down_product_adding_its_weighted_sum(rng, qtype, n, top_k, E, m, k):
     """The model's decode down product adds sum_j wts[j] * (W[ids[j]] x_j) to the residual
     row itself (no expert outputs in memory): against both references, and the separate
@@ -347,6 +348,29 @@ def test_down_product_adding_its_weighted_sum(rng, qtype, n, top_k, E, m, k):
             s = (wts[t, j].astype(np.float64) * yh[t, j] + s).astype(np.float32)
         want[t] = want[t] + s
     np.testing.assert_allclose(g, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("qtype,k", [("q4_0", 256), ("q4_0", 768), ("q4_0", 1408), ("q8_0", 2880),
+                                     ("q4_K", 768), ("q4_K", 2048), ("mxfp4", 2880)])
+def test_down_product_with_one_unit_in_flight_changes_no_bit(rng, qtype, k):
+    """The combining down product with one k-unit in flight a warp (dispatch.default_combine's
+    form for short rows, launch bounds of 32 warps an SM) against two: the same bits on rows
+    of one to three units, skewed routing."""
+    import cupy as cp
+    from moeforge.codegen.spec import MmvqSpec
+    from moeforge.runtime import ops
+    E, m, n, top_k = 16, 130, 3, 8
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, per_slot=True, skew=True)
+    wts = cp.asarray(rng.random((n, top_k)).astype(np.float32))
+    res = rng.standard_normal((n, m)).astype(np.float32)
+    outs = {}
+    for units in (1, 2):
+        spec = dataclasses.replace(MmvqSpec.decode(qtype), warps=8, combine=True, units=units)
+        got = cp.asarray(res)
+        ops._mmvq(spec, w, xd.reshape(-1, k), idsd, 1, got, m, combine=(wts, got))
+        outs[units] = got.get()
+    assert np.isfinite(outs[1]).all() and not np.array_equal(outs[1], res)
+    np.testing.assert_array_equal(outs[1], outs[2])
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
