@@ -196,16 +196,22 @@ def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
     return TensorRef(name, gate.qtype, (E, 2 * ff, k), load)
 
 
-def append_shared(exps: TensorRef, shexp: TensorRef, name: str) -> TensorRef:
-    """(E, ff, k) experts and a shared expert's (ff, k) -> (E + 1, ff, k): the shared one as
-    expert E (Gating.shared). Down's (E, d, ff) and (d, ff) alike."""
+def append_shared(exps: TensorRef, shexp: TensorRef, name: str, n: int = 1) -> TensorRef:
+    """(E, rows, k) experts and n shared experts stored as one FFN -> (E + n, rows, k):
+    shared expert j as expert E + j (Gating.shared). The FFN's gate and up, (n*ff, k), are
+    the n experts' rows one after the other; its down, (d, n*ff), holds expert j's in
+    columns j*ff.. of every row, gathered here. Those columns start on a quant block:
+    the routed down's rows are ff wide, of the same type (shared_rides)."""
     E, rows, k = exps.shape
+    columns = shexp.shape[0] != n * rows
 
     def load(xp=np):
         a, b = exps.load(xp), shexp.load(xp)
-        return xp.concatenate([a.reshape(E * rows, -1), b.reshape(rows, -1)], axis=0)
+        if columns:
+            b = b.reshape(rows, n, -1).transpose(1, 0, 2)
+        return xp.concatenate([a.reshape(E * rows, -1), b.reshape(n * rows, -1)], axis=0)
 
-    return TensorRef(name, exps.qtype, (E + 1, rows, k), load)
+    return TensorRef(name, exps.qtype, (E + n, rows, k), load)
 
 
 def as_one_expert(t: TensorRef) -> TensorRef:
@@ -248,12 +254,13 @@ def ffn_refs(L: "LayerRefs", T: dict[str, TensorRef], b: str, dense: bool, ride:
         return L
     L.router, L.exp_probs_b = T[b + "ffn_gate_inp.weight"], T.get(b + "exp_probs_b.bias")
     if ride:
+        n = T[b + "ffn_gate_shexp.weight"].shape[0] // T[b + "ffn_gate_exps.weight"].shape[1]
         L.down = append_shared(T[b + "ffn_down_exps.weight"], T[b + "ffn_down_shexp.weight"],
-                               b + "ffn_down_exps.weight")
+                               b + "ffn_down_exps.weight", n)
         pick_gate_up(L, append_shared(T[b + "ffn_gate_exps.weight"], T[b + "ffn_gate_shexp.weight"],
-                                      b + "ffn_gate_exps.weight"),
+                                      b + "ffn_gate_exps.weight", n),
                      append_shared(T[b + "ffn_up_exps.weight"], T[b + "ffn_up_shexp.weight"],
-                                   b + "ffn_up_exps.weight"), merge, b + "ffn_gate_up_exps.weight")
+                                   b + "ffn_up_exps.weight", n), merge, b + "ffn_gate_up_exps.weight")
         return L
     L.down = T[b + "ffn_down_exps.weight"]
     if apart:
@@ -266,12 +273,13 @@ def ffn_refs(L: "LayerRefs", T: dict[str, TensorRef], b: str, dense: bool, ride:
 
 
 def shared_rides(types: dict[str, str], layers: range, n_shared: int) -> bool:
-    """Whether the shared expert joins the routed ones (Gating.shared is the model's, so in
-    every one of `layers` or in none): there is one (several are one FFN of their total
-    width, as llama.cpp runs them: apart), each of its gate, up and down has the type of the
-    routed tensor it joins, and gate and up are separate (a file's merged ffn_gate_up_exps
-    has no gate rows to append to). types: tensor name -> type (the loaders', the tuner's)."""
-    if n_shared != 1:
+    """Whether the shared experts join the routed ones (Gating.shared is the model's, so in
+    every one of `layers` or in none): there are some (several, stored as one FFN of their
+    total width, become as many experts: append_shared), each of their gate, up and down
+    has the type of the routed tensor it joins, and gate and up are separate (a file's
+    merged ffn_gate_up_exps has no gate rows to append to). types: tensor name -> type (the
+    loaders', the tuner's)."""
+    if n_shared < 1:
         return False
     for i in layers:
         b = f"blk.{i}."

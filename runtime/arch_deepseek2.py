@@ -10,7 +10,10 @@ from the input (attn_q, the Lite models) or through a low-rank q_a and its norm.
 adjacent pairs, with YaRN where the file says (its log multiplier stored as 0.1 x
 mscale_all_dim, as llama.cpp's converter writes it). The FFN is glm4moe's: dense layers
 first, then routing (softmax by default, sigmoid where the file says, a selection bias
-where it has one), shared experts beside the routed ones (runtime.arch.ffn_refs).
+where it has one), shared experts riding with the routed ones as as many more experts
+and slots (V2-Lite's two: 64 + 2 experts, 6 + 2 slots; runtime.arch.append_shared) where
+their types are the routed ones', else one FFN of their total width apart, as llama.cpp
+runs them (runtime.arch.ffn_refs).
 """
 from __future__ import annotations
 
@@ -146,9 +149,8 @@ def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
 
 
 def open_model(f: GGUFFile, merge: bool = True) -> ModelRefs:
-    """Validate everything, read nothing: a wrong file fails before any upload. One shared
-    expert rides with the routed ones where its types allow (glm4moe's rule); several are
-    one FFN of their width apart, as llama.cpp runs them."""
+    """Validate everything, read nothing: a wrong file fails before any upload. The shared
+    experts ride with the routed ones where their types allow (runtime.arch.shared_rides)."""
     hp = read_hparams(f)
     expected = expected_tensors(hp, f)
     run_hp, ride, apart = place_shared(f, hp)

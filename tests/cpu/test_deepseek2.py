@@ -89,21 +89,42 @@ def test_cache_holds_one_latent_row_a_token(parity_models):
 
 
 def test_hparams_and_layers(parity_models):
-    """Layer 0 dense (one expert), the two shared experts one FFN apart (2 x 64 wide), no
-    renormalising, softmax; llama.cpp's softmax scale for YaRN: (1 + 0.1 x 0.707 ln 4)^2 /
-    sqrt(48)."""
+    """Layer 0 dense (one expert), the two shared experts riding as experts E and E + 1
+    (slots top_k and top_k + 1), no renormalising, softmax; llama.cpp's softmax scale for
+    YaRN: (1 + 0.1 x 0.707 ln 4)^2 / sqrt(48)."""
     fx = parity_models["ds-f32"]
     m = load_model(fx["path"], backend="numpy")
     hp, spec = m.hp, fx["entry"]["spec"]
     assert m.arch == "deepseek2" and hp.n_layer == spec["n_layer"] == len(m.weights.layers)
     g = hp.gating
-    assert (g.func, g.norm, g.scale, g.shared) == ("softmax", False, 1.0, 0)
+    assert (g.func, g.norm, g.scale, g.shared, g.slots) == ("softmax", False, 1.0, 2, hp.n_expert_used + 2)
     dense, moe = m.weights.layers[0], m.weights.layers[1]
     assert dense.router is None and dense.gate_up.shape == (1, 2 * hp.n_ff, hp.n_embd)
-    assert moe.shared is not None and moe.shared.gate_up.shape == (1, 2 * 2 * hp.n_ff_exp, hp.n_embd)
+    E, ff = hp.n_expert, hp.n_ff_exp
+    assert moe.shared is None and moe.gate_up.shape == (E + 2, 2 * ff, hp.n_embd)
+    assert moe.down.shape == (E + 2, hp.n_embd, ff)
     assert moe.mla.k_b.shape == (4, 64, 32) and moe.mla.v_b.shape == (4, 32, 64) and moe.mla.q_a is None
     assert hp.mla.kq_scale == pytest.approx((1 + 0.0707 * math.log(4)) ** 2 / math.sqrt(48), rel=1e-6)
     assert hp.yarn.mscale() == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ds-f32", "ds-q4_0"])
+def test_two_shared_experts_ride_as_two_experts(parity_models, monkeypatch, name):
+    """The shared FFN (2 x ff wide) as experts E and E + 1: its gate and up rows halved, its
+    down's columns gathered by half (whole quant blocks: the routed down's rows are ff wide,
+    of the same type), each half a slot of weight 1. Kept apart as one FFN instead, as
+    llama.cpp runs it, the same file gives the same logits within float32 rounding (the
+    halves' down products are summed by the combine instead of in one dot)."""
+    from moeforge.runtime import arch
+    fx = parity_models[name]
+    ride = load_model(fx["path"], backend="numpy")
+    assert ride.hp.gating.shared == 2 and ride.weights.layers[1].shared is None
+    monkeypatch.setattr(arch, "shared_rides", lambda *a, **k: False)
+    apart = load_model(fx["path"], backend="numpy")
+    assert apart.hp.gating.shared == 0 and apart.weights.layers[1].shared is not None
+    assert apart.weights.layers[1].gate_up.shape[0] == apart.hp.n_expert
+    got, want = ride.logits(fx["tokens"]), apart.logits(fx["tokens"])
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
 
 
 def test_v2_lite_softmax_scale(tmp_path):
@@ -154,8 +175,8 @@ def test_bad_files_are_reported(parity_models, tmp_path, change, match):
 
 @pytest.mark.parametrize("name", ["ds-q4_0", "qlora-q8_0"])
 def test_tune_model_reads_the_runtimes_products(parity_models, tmp_path, name):
-    """`moeforge tune --model` finds what the runtime runs: the routed experts, the two
-    shared experts apart as one dense FFN, k_b and v_b as expert products with every head a
+    """`moeforge tune --model` finds what the runtime runs: the routed experts with the two
+    shared ones riding (E + 2 experts, top_k + 2 slots), k_b and v_b as expert products with every head a
     slot, and the latent projections among the dense ones (q or q_a and q_b, kv_a)."""
     from moeforge.tuning.shapes import model_dense_shapes, model_products
     if name in parity_models:
@@ -172,8 +193,9 @@ def test_tune_model_reads_the_runtimes_products(parity_models, tmp_path, name):
             want.add(((1, 1) + L.down.shape[1:], L.down.qtype))
         else:
             E, rows, d = L.gate_up.shape
-            want |= {((E, hp.n_expert_used, rows, d), L.gate_up.qtype),
-                     ((E, hp.n_expert_used, d, L.down.shape[2]), L.down.qtype)}
+            assert E == hp.n_expert + 2
+            want |= {((E, hp.gating.slots, rows, d), L.gate_up.qtype),
+                     ((E, hp.gating.slots, d, L.down.shape[2]), L.down.qtype)}
         want |= {((hp.n_head, hp.n_head) + L.mla.k_b.shape[1:], L.mla.k_b.qtype),
                  ((hp.n_head, hp.n_head) + L.mla.v_b.shape[1:], L.mla.v_b.qtype)}
     got = set(model_products(path))
