@@ -68,6 +68,7 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
         self.fuse_norm_q8 = True     # at decode the norms and attention also write q8_1 of their output
         self._q8 = None              # (output pointer, xq, xds, nbp) of the last such norm
         self._waited_ids = None      # (ids pointer, output pointer) of the last expert gate/up
+        self._dense_filled = (None, 0)  # dense_route's buffers (pointers) and how many rows hold expert 0, weight 1
         self.fuse_qk_rope = True     # at decode attention normalises, rotates and stores q and k itself
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
         self.router_cluster = True   # sm_90+: the decode router and routing in a cluster per token

@@ -177,11 +177,26 @@ class CudaMoeOps:
         return self.ws("ids", (n, gating.slots), np.int32), self.ws("wts", (n, gating.slots))
 
     def dense_route(self, n: int):
-        """Buffers of their own, filled at every pass (two memsets; a captured pass replays them)."""
+        """Buffers of their own, filled where they are new or longer than before: a pass
+        captured after its eager run (runtime.graphs) replays no memset, which is a graph
+        node the kernels after it cannot overlap (it ends their PDL chain)."""
         ids, wts = self.ws("dense_ids", (n, 1), np.int32), self.ws("dense_wts", (n, 1))
-        ids.fill(0)
-        wts.fill(1.0)
+        key = (ids.data.ptr, wts.data.ptr)
+        if self._dense_filled[0] != key or self._dense_filled[1] < n:
+            ids.fill(0)
+            wts.fill(1.0)
+            self._dense_filled = (key, n)
         return ids, wts
+
+    def shared_expert_(self, S, x, h):
+        """At decode the shared FFN's down product adds itself to x (expert_down_into_ with
+        weight 1: one launch in the PDL chain, not a product and an elementwise add)."""
+        n = h.shape[0]
+        if not (self.fuse_down_combine and self._decoding and S.down.q is not None
+                and n <= dispatch.MMVQ_MAX_TOKENS):
+            return super().shared_expert_(S, x, h)
+        ids, wts = self.dense_route(n)
+        self.expert_down_into_(S, x, self.expert_gate_up(S, h, ids, "shared_act"), ids, wts)
 
     def swiglu(self, gu, name):
         *lead, two_ff = gu.shape

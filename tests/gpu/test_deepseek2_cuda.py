@@ -229,3 +229,30 @@ def test_prompt_attention_on_tensor_cores(n_head, n, pos0, cache_type, rng):
         p = np.exp(s - s.max(-1, keepdims=True))
         exact[t] = (p / p.sum(-1, keepdims=True)) @ rows[:lim + 1, :512].astype(np.float64)
     assert nmse(got, exact) <= 5e-4
+
+
+@pytest.mark.parametrize("t", ["q8_0", "q4_0"])
+def test_shared_experts_apart_add_themselves_at_decode(lite_models, monkeypatch, t):
+    """Shared experts kept apart (as where their types differ from the routed ones'; forced
+    here): at decode their down product adds itself to x (weight 1, one launch) and the
+    dense route's buffers are filled once, so the captured step replays no memset. Against
+    the product and an add apart: the same logits, bit for bit, at every step; against the
+    numpy backend emulating the kernels, its bar."""
+    from moeforge.runtime import arch
+    paths, toks, seed = lite_models
+    monkeypatch.setattr(arch, "shared_rides", lambda *a, **k: False)
+    outs = []
+    for fused in (True, False):
+        m = load_model(paths[t], backend="cuda", n_ubatch=16)
+        assert m.hp.gating.shared == 0 and m.weights.layers[1].shared is not None
+        m.backend.fuse_down_combine = fused
+        m.reset(len(toks))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            outs.append(np.concatenate([m.eval(toks[:20]), *(m.eval([x]) for x in toks[20:36])]))
+        assert m.backend.graphs.captured("decode") and np.isfinite(outs[-1]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    ref = load_model(paths[t], backend="numpy", numerics="kernel", n_ubatch=16)
+    ref.reset(len(toks))
+    want = np.concatenate([ref.eval(toks[:20]), *(ref.eval([x]) for x in toks[20:36])])
+    assert_matches_emulation(outs[0], want, t, seed)
