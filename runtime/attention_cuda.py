@@ -182,7 +182,7 @@ class CudaAttentionOps:
         hp = self.hp
         m, y = hp.mla, hp.yarn
         lo, hi = y.corr_dims(m.rope_dim, hp.rope_base) if y is not None else (0.0, 0.0)
-        self.kernel("mla_rope_store")((q.shape[0],), (256,), (
+        self.kernel("mla_rope_store")((q.shape[0],), (256,), (   # MLA_STORE_THREADS
             q, kv, L.mla.kv_a_norm, cache.k[il], pos, _i32(hp.n_head), _i32(m.nope_dim), _i32(m.rope_dim),
             _i32(m.kv_lora_rank), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)), _f32(y.freq_scale if y else 1.0),
             _f32(y.ext_factor if y else 0.0), _f32(lo), _f32(hi), _f32(y.mscale() if y else 1.0),
