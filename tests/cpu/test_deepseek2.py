@@ -238,3 +238,40 @@ def test_runtime_counts_the_tensor_core_kernels_key_tile():
     ls = MLA_MAX_D + 8       # the row stride the template pads to (MLAP_LS)
     assert re.search(r"#define MLAP_LS \(MLA_MAX_D \+ 8\)", src)
     assert mla_prefill_smem(2) - mla_prefill_smem(1) == 2 * MLA_TC_KEYS * ls
+
+
+def test_append_shared_gathers_each_shared_experts_rows_and_columns():
+    """append_shared(..., n=2) on rows as the loaders give them (quantized: uint8 rows of
+    blocks; float: typed rows): gate/up's (2 ff, k) rows split in two experts, down's
+    (d, 2 ff) columns gathered by half, after the E routed experts, whole blocks intact."""
+    from moeforge.runtime.arch import append_shared
+    from moeforge.runtime.gguf_file import TensorRef
+    rng = np.random.default_rng(5)
+    E, ff, d, bb = 3, 64, 96, 18                     # q4_0: 32 weights in 18 bytes
+    ex_gate = rng.integers(0, 256, (E * ff, d // 32 * bb), dtype=np.uint8)
+    sh_gate = rng.integers(0, 256, (2 * ff, d // 32 * bb), dtype=np.uint8)
+    g = append_shared(TensorRef("g", "q4_0", (E, ff, d), lambda xp=np: ex_gate),
+                      TensorRef("s", "q4_0", (2 * ff, d), lambda xp=np: sh_gate), "g", 2)
+    assert g.shape == (E + 2, ff, d)
+    got = g.load().reshape(E + 2, ff, -1)
+    np.testing.assert_array_equal(got[:E].reshape(E * ff, -1), ex_gate)
+    np.testing.assert_array_equal(got[E], sh_gate[:ff])
+    np.testing.assert_array_equal(got[E + 1], sh_gate[ff:])
+    ex_down = rng.integers(0, 256, (E * d, ff // 32 * bb), dtype=np.uint8)
+    sh_down = rng.integers(0, 256, (d, 2 * ff // 32 * bb), dtype=np.uint8)
+    dn = append_shared(TensorRef("d", "q4_0", (E, d, ff), lambda xp=np: ex_down),
+                       TensorRef("s", "q4_0", (d, 2 * ff), lambda xp=np: sh_down), "d", 2)
+    assert dn.shape == (E + 2, d, ff)
+    got = dn.load().reshape(E + 2, d, -1)
+    half = ff // 32 * bb
+    np.testing.assert_array_equal(got[E], sh_down[:, :half])
+    np.testing.assert_array_equal(got[E + 1], sh_down[:, half:])
+    fl = rng.standard_normal((d, 2 * ff)).astype(np.float32)
+    fdn = append_shared(TensorRef("d", "f32", (E, d, ff), lambda xp=np: np.zeros((E * d, ff), np.float32)),
+                        TensorRef("s", "f32", (d, 2 * ff), lambda xp=np: fl), "d", 2)
+    out = fdn.load().reshape(E + 2, d, ff)
+    np.testing.assert_array_equal(out[E], fl[:, :ff])
+    np.testing.assert_array_equal(out[E + 1], fl[:, ff:])
+    one = append_shared(TensorRef("d", "f32", (E, d, ff), lambda xp=np: np.zeros((E * d, ff), np.float32)),
+                        TensorRef("s", "f32", (d, ff), lambda xp=np: fl[:, :ff]), "d")
+    np.testing.assert_array_equal(one.load().reshape(E + 1, d, ff)[E], fl[:, :ff])
