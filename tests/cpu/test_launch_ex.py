@@ -94,7 +94,8 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
     decode = {n for n in bodies if n.startswith("attn_decode_") and not n.startswith("attn_decode_mla")}
     assert len(decode) == len(ModelSpec.DECODE_WIDTHS) + 12      # + the grouped ones (FMA and tensor cores)
     prefetching = {"rms_norm", "add_rms_norm", "moe_combine_rms_norm", "router_route", "router_route_cluster",
-                   "router_route_keyed", "router_route_cluster_keyed", "attn_decode_mla", "attn_prefill_mla"} | decode
+                   "router_route_keyed", "router_route_cluster_keyed", "attn_decode_mla", "attn_prefill_mla",
+                   "mla_rope_store"} | decode
     rows = render(spec)
     src_helper = rows[rows.index("void attn_rows("):]
     src_helper = src_helper[:src_helper.index("\n}\n")]
@@ -114,6 +115,12 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
                     else "const int stored = min(hi, pos[0]);") in pre and 'prefetch.global.L2' in pre, name
             for touched in ("q_lat[", "q[", "part[", "out[", "qs[", "sc[", "Qs", "Kb", "__syncthreads", "kv_load2",
                             "copy16_async", "mlap_tile"):
+                assert touched not in pre, f"{name} touches {touched!r} before its wait"
+            continue
+        if name == "mla_rope_store":
+            # the latent norm's weights only: never q, kv, the position or the cache
+            assert "norm_w[i0]" in pre and "norm_w[i1]" in pre, name
+            for touched in ("q[", "q_nope", "row", "kv", "kc", "dst", "pos", "sh["):
                 assert touched not in pre, f"{name} touches {touched!r} before its wait"
             continue
         if name in decode:
