@@ -21,6 +21,7 @@ QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS 
 # holds, the splits its merge weighs at most; the fewest rows a split takes (a short
 # context's rows two a warp, all in flight at once)
 MLA_HEADS, MLA_MAX_R, MLA_MAX_D, MLA_MAX_SPLITS = 16, 512, 576, 512
+MLA_STORE_THREADS = 256     # mla_rope_store's block (its latent: two values a thread)
 MLA_MIN_ROWS = 16
 # A prompt's latent attention on attn_decode_mla (FMA, captured) up to this many (token,
 # cached position) pairs, n x its mean context; past it on cuBLAS, eagerly. H200, synthetic
@@ -182,7 +183,7 @@ class CudaAttentionOps:
         hp = self.hp
         m, y = hp.mla, hp.yarn
         lo, hi = y.corr_dims(m.rope_dim, hp.rope_base) if y is not None else (0.0, 0.0)
-        self.kernel("mla_rope_store")((q.shape[0],), (256,), (   # MLA_STORE_THREADS
+        self.kernel("mla_rope_store")((q.shape[0],), (MLA_STORE_THREADS,), (
             q, kv, L.mla.kv_a_norm, cache.k[il], pos, _i32(hp.n_head), _i32(m.nope_dim), _i32(m.rope_dim),
             _i32(m.kv_lora_rank), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)), _f32(y.freq_scale if y else 1.0),
             _f32(y.ext_factor if y else 0.0), _f32(lo), _f32(hi), _f32(y.mscale() if y else 1.0),

@@ -112,7 +112,9 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
             # L2 requests for the rows before the pass's first position (earlier passes stored
             # them; the kernel before writes this pass's), and nothing loaded or written
             assert ("const int stored = min(j1, pos[0]);" if name == "attn_decode_mla"
-                    else "const int stored = min(hi, pos[0]);") in pre and 'prefetch.global.L2' in pre, name
+                    else "const int stored = min(hi, pos[0]);") in pre and "mla_prefetch_l2(kc, " in pre, name
+            prefetch = rows[rows.index("void mla_prefetch_l2("):]
+            assert 'prefetch.global.L2' in prefetch[:prefetch.index("\n}\n")]
             for touched in ("q_lat[", "q[", "part[", "out[", "qs[", "sc[", "Qs", "Kb", "__syncthreads", "kv_load2",
                             "copy16_async", "mlap_tile"):
                 assert touched not in pre, f"{name} touches {touched!r} before its wait"
