@@ -59,8 +59,9 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
                                 warps=4, ksplit=True)
             for act, bias in product(MmvqSpec.ACTS, (False, True))]
     # the model's down product adding its experts' weighted sum to the residual (top_k <= warps)
-    out += [dataclasses.replace(MmvqSpec.decode(q.name), warps=w, combine=True, units=u) for w in (1, 2, 4, 8)
-            for u in (2, 1)]
+    # (one k-unit in flight on short rows, rows of four; two units of two rows on longer ones)
+    out += [dataclasses.replace(MmvqSpec.decode(q.name, rows=r), warps=w, combine=True, units=u)
+            for w in (1, 2, 4, 8) for r, u in ((2, 2), (4, 1))]
     return out
 
 

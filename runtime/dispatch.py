@@ -82,6 +82,12 @@ FUSED_KSPLIT_WARPS = 4
 # 502.7 -> 523.1, DeepSeek-V2-Lite (2 units) 547.9 -> 558.0 / 525.5 -> 533.8, gpt-oss-20b
 # (3 units, blocks of 4 warps: one wave either way) 671.6 -> 672.4 / 622.7 -> 624.6.
 COMBINE_ONE_UNIT_MAX_UNITS = 2
+# Rows that keep two units in flight take two rows a warp, not four: 56-79 registers against
+# 78-124, so more warps an SM share the product's round trips. H200, tg128 / @ d4096, one
+# process, alternating, two rounds: gpt-oss-20b (3 units) 681.1, 678.8 -> 697.1, 697.1 /
+# 627.7, 627.4 -> 643.9, 643.4 (+2.5%). On rows of 1-2 units two rows a warp lost (Qwen3-
+# 30B-A3B 683 -> 631 with one unit, 647 with two; DeepSeek-V2-Lite 679 -> 655, 666).
+COMBINE_TWO_UNIT_ROWS = 2
 
 
 def row_units(k: int) -> int:
@@ -112,12 +118,13 @@ def default_mmvq(qtype: str, n: int, ids: bool, k: int = 0, m: int = 0) -> MmvqS
 def default_combine(qtype: str, k: int, top_k: int) -> MmvqSpec:
     """The decode form (MmvqSpec.decode) adding the weighted sum of a token's top_k expert
     products to its residual row: a warp a slot, one k-unit in flight where the rows are
-    short (COMBINE_ONE_UNIT_MAX_UNITS)."""
+    short (COMBINE_ONE_UNIT_MAX_UNITS), else two units of two rows (COMBINE_TWO_UNIT_ROWS)."""
     warps = next((w for w in (1, 2, 4, 8) if w >= top_k), None)
     if warps is None:
         raise ValueError(f"the combining down product takes at most 8 slots a token, got {top_k}")
-    units = 1 if row_units(k) <= COMBINE_ONE_UNIT_MAX_UNITS else 2
-    return replace(MmvqSpec.decode(qtype), warps=warps, combine=True, units=units)
+    if row_units(k) <= COMBINE_ONE_UNIT_MAX_UNITS:
+        return replace(MmvqSpec.decode(qtype), warps=warps, combine=True, units=1)
+    return replace(MmvqSpec.decode(qtype, rows=COMBINE_TWO_UNIT_ROWS), warps=warps, combine=True, units=2)
 
 
 def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 0,

@@ -412,8 +412,9 @@ def test_lean_form_rule_and_source():
 
 def test_combining_down_product_keeps_one_unit_in_flight_on_short_rows():
     """dispatch.default_combine: a warp a slot, one k-unit in flight on rows of up to two
-    units (Qwen3-30B-A3B's down, k = 768; DeepSeek-V2-Lite's, k = 1408), two on longer ones
-    (gpt-oss-20b's, k = 2880).
+    units (Qwen3-30B-A3B's down, k = 768; DeepSeek-V2-Lite's, k = 1408), two units of two
+    rows a warp on longer ones (gpt-oss-20b's, k = 2880), each form among the generated
+    instances.
     The one-unit form carries launch bounds of 32 warps an SM and fits them without
     spilling, for every quant type and both targets: that is what puts a 2048-row product's
     512 blocks in one wave."""
@@ -422,7 +423,11 @@ def test_combining_down_product_keeps_one_unit_in_flight_on_short_rows():
     from moeforge.runtime import dispatch
     short, long_ = dispatch.default_combine("q4_0", 1408, 6), dispatch.default_combine("mxfp4", 2880, 4)
     assert (short.warps, short.units, short.combine_blocks) == (8, 1, 4)
-    assert (long_.warps, long_.units, long_.combine_blocks) == (4, 2, 0)
+    assert (long_.warps, long_.units, long_.rows, long_.combine_blocks) == (4, 2, 2, 0)
+    assert short.rows == 4
+    from moeforge.codegen.enumerate import all_specs
+    built = set(all_specs([QUANT_TYPES["mxfp4"], QUANT_TYPES["q4_0"]]))
+    assert short in built and long_ in built
     assert dispatch.default_combine("q8_0", 1024, 3).warps == 4
     assert dispatch.default_combine("q8_0", 1024, 1).combine_blocks == 32
     with pytest.raises(ValueError, match="8 slots"):

@@ -127,7 +127,8 @@ def test_decode_attention_kernel(n_head, L, cache_type, rng):
     rows = (rng.standard_normal((L, 576)) * rng.uniform(0.5, 2.0)).astype(np.float32)
     if cache_type == "f16":
         rows = rows.astype(np.float16).astype(np.float32)
-    cache.k[0][:L] = cp.asarray(rows).astype(cache.k[0].dtype)
+    with B.context():   # the backend's stream (non-blocking): on CuPy's own, the copy could land late
+        cache.k[0][:L] = cp.asarray(rows).astype(cache.k[0].dtype)
     # a head's query: its absorbed latent part, and the RoPE part of q's (128 + 64)-value head
     lat = (rng.standard_normal((1, n_head, 512)) * 0.5).astype(np.float32)
     qfull = (rng.standard_normal((1, n_head, 192)) * 0.5).astype(np.float32)
@@ -135,8 +136,8 @@ def test_decode_attention_kernel(n_head, L, cache_type, rng):
     pos = cp.asarray(np.array([L - 1], dtype=np.int32))
     outs = []
     for _ in range(2):
-        B.ws("attn", (1, n_head * 512))[...] = cp.nan
-        with B.context():
+        with B.context():   # the poison on the kernels' stream, ordered before them
+            B.ws("attn", (1, n_head * 512))[...] = cp.nan
             o = B.attention(cache, 0, MlaQuery(cp.asarray(lat), cp.asarray(qfull.reshape(1, -1))), pos, L - 1, 1,
                             "attn")
         B.synchronize()
@@ -203,15 +204,16 @@ def test_prompt_attention_on_tensor_cores(n_head, n, pos0, cache_type, rng):
     rows = (rng.standard_normal((L, 576)) * rng.uniform(0.5, 2.0)).astype(np.float32)
     if cache_type == "f16":
         rows = rows.astype(np.float16).astype(np.float32)
-    cache.k[0][:L] = cp.asarray(rows).astype(cache.k[0].dtype)
+    with B.context():   # the backend's stream (non-blocking): on CuPy's own, the copy could land late
+        cache.k[0][:L] = cp.asarray(rows).astype(cache.k[0].dtype)
     lat = (rng.standard_normal((n, n_head, 512)) * 0.5).astype(np.float32)
     qfull = (rng.standard_normal((n, n_head, 192)) * 0.5).astype(np.float32)
     positions = np.arange(pos0, L, dtype=np.int32)
     pos = cp.asarray(positions)
     outs = []
     for _ in range(2):
-        B.ws("attn", (n, n_head * 512))[...] = cp.nan
-        with B.context():
+        with B.context():   # the poison on the kernels' stream, ordered before them
+            B.ws("attn", (n, n_head * 512))[...] = cp.nan
             o = B.attention(cache, 0, MlaQuery(cp.asarray(lat), cp.asarray(qfull.reshape(n, -1))), pos, pos0, n,
                             "attn")
         B.synchronize()
