@@ -175,6 +175,8 @@ def _profile(model, args) -> int:
 
 def main(args) -> int:
     from .runtime.device import has_gpu
+    from .runtime.gguf_file import check_header
+    check_header(args.model)     # a wrong path is named before a missing GPU
     if args.backend == "cuda" and not has_gpu():
         print("moeforge bench: timing a model needs a CUDA GPU, and none was found "
               "(--backend numpy runs the same tables on the CPU, for testing only)", file=sys.stderr)

@@ -58,7 +58,9 @@ def _cmd_synth(args) -> int:
 
 def _load(args):
     from .runtime.device import has_gpu
+    from .runtime.gguf_file import check_header
     from .runtime.model import load_model
+    check_header(args.model)     # a wrong path is named before a missing GPU
     if args.backend == "cuda" and not has_gpu():
         raise SystemExit("moeforge: the cuda backend needs a CUDA GPU, and none was found "
                          "(--backend numpy runs small models on the CPU)")

@@ -48,12 +48,24 @@ class TensorRef:
         return int(np.prod(self.shape)) * {"f32": 4, "f16": 2, "bf16": 2}.get(self.qtype, 4)
 
 
+def check_header(path: str | os.PathLike) -> None:
+    """A missing file or one that does not start as GGUF, reported before anything else is
+    checked (a GPU, say): the first 4 bytes only, the full validation is GGUFFile's."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise GGUFError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path}: not a GGUF file ({os.path.getsize(path)} bytes; it starts with {magic!r}, "
+                        f"not b'GGUF')")
+
+
 class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         from gguf import GGUFReader
         self.path = str(path)
-        if not os.path.isfile(self.path):
-            raise GGUFError(f"{self.path}: no such file")
+        check_header(self.path)
         try:
             self.reader = GGUFReader(self.path, "r")
         except Exception as e:  # the reader raises whatever numpy raises on short data

@@ -19,6 +19,18 @@ def test_bench_names_a_bad_shape_before_it_looks_for_a_gpu():
     assert r.returncode == 2 and "no CUDA device" in r.stderr      # the names parse
 
 
+def test_model_commands_name_a_bad_file_before_they_look_for_a_gpu(tmp_path):
+    """This machine has no GPU: a missing or foreign file must still be what the user hears."""
+    junk = tmp_path / "notes.gguf"
+    junk.write_bytes(b"# not a model\n" * 8)
+    for cmd in (["bench"], ["bench-model"], ["run", "-p", "hi"], ["perplexity", "-f", __file__]):
+        r = _moeforge(cmd[0], str(tmp_path / "absent.gguf"), *cmd[1:])
+        assert r.returncode != 0 and "absent.gguf: no such file" in r.stderr, (cmd, r.stderr)
+        r = _moeforge(cmd[0], str(junk), *cmd[1:])
+        assert r.returncode != 0 and "not a GGUF file" in r.stderr and "b'# no'" in r.stderr, (cmd, r.stderr)
+        assert "GPU" not in r.stderr
+
+
 def test_generate_rejects_unknown_arch_and_type():
     r = _moeforge("generate", "--arch", "sm_99")
     assert r.returncode == 2 and "sm_99" in r.stderr

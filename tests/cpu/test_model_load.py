@@ -94,7 +94,7 @@ def test_truncated_file(tiny, tmp_path, cut):
 def test_not_a_gguf(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"hello world, this is not a model" * 10)
-    with pytest.raises(GGUFError, match="not a readable GGUF"):
+    with pytest.raises(GGUFError, match="not a GGUF file"):
         load_model(str(bad), backend="numpy")
     with pytest.raises(GGUFError, match="no such file"):
         load_model(str(tmp_path / "absent.gguf"), backend="numpy")
