@@ -275,3 +275,19 @@ def test_append_shared_gathers_each_shared_experts_rows_and_columns():
     one = append_shared(TensorRef("d", "f32", (E, d, ff), lambda xp=np: np.zeros((E * d, ff), np.float32)),
                         TensorRef("s", "f32", (d, ff), lambda xp=np: fl[:, :ff]), "d")
     np.testing.assert_array_equal(one.load().reshape(E + 1, d, ff)[E], fl[:, :ff])
+
+
+def test_runtime_launches_the_latent_kernels_with_the_templates_sizes():
+    """The runtime's MLA sizes (its launch blocks, the heads a group, the row width and the
+    merge's split bound) are written twice, in attention_cuda and as the template's
+    #defines: mla_rope_store launched with another block than it was built for would leave
+    latent values unnormed, a group of other heads would read the wrong queries."""
+    import re
+    from moeforge.codegen.render import render
+    from moeforge.codegen.spec import ModelSpec
+    from moeforge.runtime import attention_cuda as ac
+    src = render(ModelSpec())
+    defined = {k: int(v) for k, v in re.findall(r"#define (MLA_\w+) (\d+)", src)}
+    for name in ("MLA_STORE_THREADS", "MLA_HEADS", "MLA_MAX_D", "MLA_MAX_SPLITS"):
+        assert defined[name] == getattr(ac, name), name
+    assert ac.MLA_MAX_R == 2 * defined["MLA_THREADS"] == 2 * defined["MLA_STORE_THREADS"]   # two latent values a thread
