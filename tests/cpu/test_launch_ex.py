@@ -2,6 +2,7 @@
 the CPU. Their use on a GPU is tested in tests/gpu/test_fused.py."""
 import ctypes
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -124,6 +125,15 @@ def test_every_model_kernel_waits_before_it_touches_memory(cache):
             assert "norm_w[i0]" in pre and "norm_w[i1]" in pre, name
             for touched in ("q[", "q_nope", "row", "kv", "kc", "dst", "pos", "sh["):
                 assert touched not in pre, f"{name} touches {touched!r} before its wait"
+            continue
+        if name == "moe_combine_rms_norm":
+            # its norm weights, and with top_k 0 (the down product has added the experts' sum)
+            # the chosen experts' down biases, ids and weights through L2; never x, y or out
+            assert "norm_weights(w, d, wv);" in pre and "const bool early_bias = top_k == 0 && bias != nullptr;" in pre
+            assert "__ldcg(wt + j) * __ldg(bias + (long)__ldcg(it + j) * d + i)" in pre
+            code = re.sub(r"//[^\n]*", "", pre)
+            for touched in ("x[", "xr", "yt", "y[", "out", "xq", "xds", "atomic", "__syncthreads", "sh["):
+                assert touched not in code, f"{name} touches {touched!r} before its wait"
             continue
         if name in decode:
             # the position and the cache rows before it (earlier steps wrote them), never q
