@@ -73,6 +73,13 @@ KSPLIT_WARPS = 2
 # lost 643 -> 630, at 3 gpt-oss-20b 664 -> 637 (BENCHMARKS.md).
 FUSED_KSPLIT_MIN_UNITS = 4
 FUSED_KSPLIT_WARPS = 4
+# Below the split, rows of more than two k-units (gpt-oss's k = 2880: three) of 16-byte
+# blocks without super-blocks (q4_0, mxfp4) take one row a warp with two units in flight: two rows of one unit made three
+# dependent round trips a warp. H200, gpt-oss-20b tg128, one process, two rounds: MXFP4
+# 737.6, 738.1 t/s against 729.9, 726.4 (two rows of two units, 96 registers: 703.6,
+# 704.0); q8_0's 32-byte blocks lose (617.4, 617.8 against 630.7, 631.4) and keep two rows,
+# as do the super-block formats (their scale bytes a unit: the K-quants' rule below).
+FUSED_TWO_UNIT_MIN_UNITS = 3
 # The model's down product that adds its experts' sum to the residual (MmvqSpec.combine)
 # keeps one k-unit in flight a warp on rows of at most this many units: its launch bounds
 # then hold 32 warps an SM (MmvqSpec.combine_blocks), where two units' registers held 24 or
@@ -146,7 +153,8 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
     16.22-16.31. wait_first: x was quantized by an earlier kernel and the kernel just before
     wrote the ids (the model's expert gate/up after the router): the form that waits first,
     which cannot guess, with two rows of one unit for every type (measured faster than two
-    units in flight for q4_0 as well, below). K-quants
+    units in flight for q4_0 as well, below), but one row of two units where a row has
+    three of q4_0's or mxfp4's blocks (FUSED_TWO_UNIT_MIN_UNITS), and four or more split over warps. K-quants
     keep a super-block's raw 16 scale bytes a row and unit, which doubles q4_0's buffers
     (118 registers: two waves), so they guess with two rows of one unit too. H100, one call,
     cold, Qwen3 (BENCHMARKS.md): q4_K guessing 9.06 -> 6.19 us (q4_0's 6.34), wait-first
@@ -157,7 +165,10 @@ def default_fused(qtype: str, n: int, act: str, bias: bool, ids: bool, k: int = 
         q = quant_type(qtype)
         short_4bit = q.qs_bytes == 16 and 0 < k <= 2048     # two units of two rows: 80 registers
         rows, units = 1, 2
-        if ids and n == 1 and (wait_first or not short_4bit or q.sub_blocks > 1):
+        if (ids and n == 1 and wait_first and q.qs_bytes == 16 and q.sub_blocks == 1
+                and FUSED_TWO_UNIT_MIN_UNITS <= row_units(k) < FUSED_KSPLIT_MIN_UNITS):
+            rows, units = 1, 2
+        elif ids and n == 1 and (wait_first or not short_4bit or q.sub_blocks > 1):
             rows, units = 2, 1
         elif short_4bit:
             rows = 2

@@ -251,6 +251,13 @@ def test_k_split_over_the_warps_is_the_models_long_dense_one_token_form():
     fused = {k: dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=k, wait_first=True)
              for k in (2048, 2880, 4096, 5120)}
     assert not fused[2048].ksplit and not fused[2880].ksplit
+    # below the split, gpt-oss's rows of three units: one row with two units in flight for
+    # 16-byte blocks; q8_0's and the super-block formats' keep two rows of one unit
+    assert (fused[2048].rows, fused[2048].units) == (2, 1) and (fused[2880].rows, fused[2880].units) == (1, 2)
+    for qtype, form in (("mxfp4", (1, 2)), ("iq4_xs", (2, 1)), ("q8_0", (2, 1)), ("q4_K", (2, 1))):
+        spec = dispatch.default_fused(qtype, 1, "swiglu_oai", True, ids=True, k=2880, wait_first=True)
+        assert (spec.rows, spec.units) == form, qtype
+        assert spec.name in {s.name for s in mmvq_specs(QUANT_TYPES[qtype])}
     assert fused[4096].ksplit and fused[5120].ksplit and fused[4096].warps == 4
     assert fused[4096].name.endswith("-wf-u1-ks")
     assert not dispatch.default_fused("q4_0", 1, "silu", False, ids=True, k=4096).ksplit   # the guessing form

@@ -294,8 +294,8 @@ def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng, qtype, k):
     """The model's norms write x's q8_1 themselves (x_q8); the one-token product that reads
     it (experts: waiting first, since the router wrote the ids just before) must compute
     exactly what it computes after its own quantizing launch (the wait-first default: two
-    rows of one k-unit for every type), and so must the wait-first form of one row a warp
-    and two k-units in flight."""
+    rows of one k-unit, one row of two units on rows of three 16-byte-block units), and so must the other
+    of the two forms."""
     import cupy as cp
     from moeforge.codegen.spec import MmvqSpec
     from moeforge.runtime import dispatch, ops
@@ -308,12 +308,13 @@ def test_x_quantized_by_an_earlier_kernel_gives_the_same_bits(rng, qtype, k):
     x_q8 = (xq.copy(), xds.copy(), nbp)
     o = Operands(x, w["gate_up"], None, None, None, None, experts=True)
     wait_first = dispatch.default_fused(qtype, 1, "silu", False, ids=True, k=k, wait_first=True)
-    assert (wait_first.rows, wait_first.units) == (2, 1)
-    one_row = MmvqSpec.decode(qtype, rows=1, act="silu", wait_first=True)
+    three_units = dispatch.row_units(k) == 3 and qtype in ("q4_0", "mxfp4")
+    assert (wait_first.rows, wait_first.units) == ((1, 2) if three_units else (2, 1))
+    other = MmvqSpec.decode(qtype, rows=3 - wait_first.rows, act="silu", wait_first=True, units=3 - wait_first.units)
     outs = [cp.full((1, top_k, n_ff), cp.nan, dtype=cp.float32) for _ in range(3)]
     run_moe_gate_up(o, ids, outs[0], "silu")
     run_moe_gate_up(o, ids, outs[1], "silu", x_q8=x_q8)
-    run_moe_gate_up(o, ids, outs[2], "silu", spec=one_row, x_q8=x_q8)
+    run_moe_gate_up(o, ids, outs[2], "silu", spec=other, x_q8=x_q8)
     assert np.isfinite(outs[0].get()).all()
     np.testing.assert_array_equal(outs[0].get(), outs[1].get())
     np.testing.assert_array_equal(outs[0].get(), outs[2].get())
