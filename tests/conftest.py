@@ -199,6 +199,10 @@ def assert_cache_consistent(m, toks, cuts, rel=None):
     np.testing.assert_allclose(chunks, whole, atol=atol, rtol=0)
 
 
+# a pick trailing ref's top-1 by less than this share of its logits' spread is a near tie
+NEAR_TIE = 0.02
+
+
 def assert_matches_emulation(got, ref, weights, seed, exact_until=None):
     """A random model's logits on the GPU (got) against the numpy backend emulating the
     kernels (ref). Float weights (weights "f32"): within 1e-3 of the largest logit, at the
@@ -209,7 +213,11 @@ def assert_matches_emulation(got, ref, weights, seed, exact_until=None):
     5e-3 on a tiny gpt-oss, 6e-5 to 6e-4 on a tiny qwen3moe; the MXFP4 gpt-oss reached 1.1e-3
     to 1.9e-3 against the emulation on 4 seeds of 16, H200 2026-11-28). So top-1 at 90% of
     the positions and mean KL < 5e-3, which a wrong bias, expert, row or window still misses
-    by orders of magnitude; the kernels' own arithmetic is held elementwise on f32."""
+    by orders of magnitude; the kernels' own arithmetic is held elementwise on f32. A near
+    tie is no difference: where got's pick trails ref's top-1 by under NEAR_TIE of ref's
+    spread of logits it counts as the same top-1 (H200, 2026-11-30, DeepSeek-V2-Lite's heads
+    q4_0 on 10 seeds: top-1 alike at 90.0-97.5% of 80 positions, KL 2.9e-4 to 3.5e-4, and
+    every difference a near tie, ref's lead 0.01-1.5% of its spread: 90% failed one seed in ten)."""
     assert got.shape == ref.shape and np.isfinite(got).all()
     if weights == "f32":
         n = len(ref) if exact_until is None else exact_until
@@ -218,9 +226,14 @@ def assert_matches_emulation(got, ref, weights, seed, exact_until=None):
                                              f"largest logit, at positions {np.nonzero(err >= 1e-3)[0].tolist()}")
         if exact_until is None or exact_until >= len(ref):
             return
-    top = got.argmax(-1) == ref.argmax(-1)
-    assert top.mean() > 0.9, f"seed {seed}: top-1 differs at positions {np.nonzero(~top)[0].tolist()}"
+    lead = (ref.max(-1) - ref[np.arange(len(ref)), got.argmax(-1)]) / (ref.max(-1) - ref.min(-1))
+    top = lead < NEAR_TIE
     kl = kl_per_token(ref, got)
+    if top.mean() <= 0.9:
+        pos = np.nonzero(~top)[0]
+        raise AssertionError(f"seed {seed}: top-1 differs at positions {pos.tolist()} (of {len(ref)}); ref's lead "
+                             f"over got's pick {np.round(lead[pos], 4).tolist()} of its spread; KL there "
+                             f"{np.round(kl[pos], 5).tolist()}, mean {kl.mean():.2e}")
     assert kl.mean() < 5e-3, f"seed {seed}: mean KL {kl.mean():.2e}"
 
 
