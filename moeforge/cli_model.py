@@ -9,11 +9,12 @@ import time
 
 # synth.TYPES and synth.ARCHS, spelled out so that the CLI starts without numpy and gguf (test_model_cli)
 SYNTH_TYPES = ("q4_0", "q8_0", "q2_K", "q2_K_mix", "q3_K", "q3_K_M", "q4_K", "q4_K_M", "q5_K", "q5_K_M", "q6_K", "iq4_xs", "mxfp4_moe", "f16", "f32")
-SYNTH_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2")
+SYNTH_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "llama")
 # without --preset: each architecture's real model; without --type: the type it ships in
 # (gpt-oss: llama.cpp's MXFP4_MOE, mxfp4 experts as OpenAI released them, q8_0 elsewhere)
 SYNTH_DEFAULTS = {"qwen3moe": ("qwen3-30b-a3b", "q4_0"), "gpt-oss": ("gpt-oss-20b", "mxfp4_moe"),
-                  "glm4moe": ("glm-4.5-air", "q4_0"), "deepseek2": ("deepseek-v2-lite", "q4_0")}
+                  "glm4moe": ("glm-4.5-air", "q4_0"), "deepseek2": ("deepseek-v2-lite", "q4_0"),
+                  "llama": ("mixtral-8x7b", "q4_0")}
 
 
 def _ints(text: str) -> list[int]:
@@ -151,7 +152,7 @@ def add_commands(sub) -> None:
                    help="qwen3moe: qwen3-30b-a3b (the default), qwen3-235b-a22b, tiny or tiny-k (tiny with rows of "
                         "whole K-quant super-blocks); gpt-oss: gpt-oss-20b (the default with --arch gpt-oss) "
                         "or tiny-oss; glm4moe: glm-4.5-air, glm-4.5 or tiny-glm; deepseek2: deepseek-v2-lite "
-                        "or tiny-deepseek")
+                        "or tiny-deepseek; llama: mixtral-8x7b or tiny-mixtral")
     s.add_argument("--type", default=None, choices=SYNTH_TYPES,
                    help="type of every matrix, or q3_K_M / q4_K_M / q5_K_M / q2_K_mix: llama.cpp's mixes "
                         "Q3_K_M, Q4_K_M, Q5_K_M and Q2_K (q6_K for the head; more bits for attn_v, "

@@ -1,4 +1,5 @@
-"""Synthetic qwen3moe, gpt-oss and glm4moe GGUF files: real shapes, random weights, a loadable tokenizer.
+"""Synthetic qwen3moe, gpt-oss, glm4moe, deepseek2 and llama (Mixtral) GGUF files: real shapes, random
+weights, a loadable tokenizer.
 
 Two sources of weights:
   "blocks"  (moeforge synth) valid random GGUF blocks copied from a pool of random blocks
@@ -23,7 +24,7 @@ from .runtime.convert import block_size, row_bytes
 from .synth_mla import add_deepseek2_metadata, deepseek2_layers
 from .synth_vocab import add_tokenizer
 
-ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2")
+ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "llama")
 # q3_K_M, q4_K_M, q5_K_M: llama.cpp's mixes of those names (q3_K, q4_K or q5_K, with more
 # bits in places: see mix_types); q2_K_mix: llama.cpp's Q2_K mix (plain "q2_K" is q2_K for
 # every matrix, as the other type names are); q6_K also for every matrix, or as --output-type/--embd-type
@@ -124,6 +125,14 @@ PRESETS = {
                                n_ff=192, arch="deepseek2", n_rot=16, n_expert_shared=2, n_dense_lead=1,
                                routed_scale=1.0, yarn_factor=4.0, yarn_orig_ctx=64, kv_lora_rank=64,
                                v_head_dim=32, yarn_log_mul=0.707),
+    # Mixtral-8x7B (llama with experts): no q/k norms, RoPE on adjacent pairs, the experts'
+    # width as llama.feed_forward_length
+    "mixtral-8x7b": SynthSpec(n_vocab=32000, n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, head_dim=128,
+                              n_ff_exp=14336, n_expert=8, n_expert_used=2, n_ctx=32768, rope_base=1e6,
+                              rms_eps=1e-5, arch="llama", qk_norm=False),
+    "tiny-mixtral": SynthSpec(n_vocab=512, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, head_dim=32,
+                              n_ff_exp=64, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, rms_eps=1e-5,
+                              arch="llama", qk_norm=False),
     "tiny-oss": SynthSpec(n_vocab=512, n_embd=128, n_layer=4, n_head=4, n_head_kv=2, head_dim=32,
                           n_ff_exp=64, n_expert=8, n_expert_used=2, n_ctx=512, rope_base=1e4, rms_eps=1e-5,
                           arch="gpt-oss", n_swa=8, yarn_factor=4.0, yarn_orig_ctx=64),
@@ -178,8 +187,10 @@ def tensor_plan(s: SynthSpec, qtype: str, *, embd_type=None, output_type=None, m
             (b + "attn_k.weight", (s.n_head_kv * s.head_dim, d), qtype),
             (b + "attn_v.weight", (s.n_head_kv * s.head_dim, d), wv),
             (b + "attn_output.weight", (d, s.n_head * s.head_dim), wo),
-            (b + "attn_q_norm.weight", (s.head_dim,), "f32"),
-            (b + "attn_k_norm.weight", (s.head_dim,), "f32"),
+        ]
+        if s.arch == "qwen3moe":   # llama's layers (Mixtral's) are the same without them
+            plan += [(b + "attn_q_norm.weight", (s.head_dim,), "f32"), (b + "attn_k_norm.weight", (s.head_dim,), "f32")]
+        plan += [
             (b + "ffn_norm.weight", (d,), "f32"),
             (b + "ffn_gate_inp.weight", (E, d), "f32"),   # llama-quantize keeps the router in F32
         ]
@@ -407,7 +418,7 @@ def write_model(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = "bl
     tmp = f"{path}.tmp{os.getpid()}"
     if spec.arch not in ARCHS:
         raise ValueError(f"architecture {spec.arch!r}: synth writes {', '.join(ARCHS)}")
-    if merged_gate_up and spec.arch != "qwen3moe":
+    if merged_gate_up and spec.arch not in ("qwen3moe", "llama"):
         raise ValueError(f"merged_gate_up: {spec.arch} files hold gate and up separately")
     w = gguf.GGUFWriter(tmp, spec.arch)
     _add_metadata(w, spec, qtype, name or f"moeforge-synth {qtype}")
@@ -454,7 +465,8 @@ def _add_metadata(w, s: SynthSpec, qtype: str, name: str) -> None:
     w.add_quantization_version(2)
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
-    w.add_feed_forward_length(s.n_ff or s.n_ff_exp * s.n_expert_used)
+    llama = s.arch == "llama"    # its feed_forward_length is the experts' width, and the only key for it
+    w.add_feed_forward_length(s.n_ff_exp if llama else s.n_ff or s.n_ff_exp * s.n_expert_used)
     w.add_block_count(s.n_layer + s.n_nextn)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
@@ -465,7 +477,10 @@ def _add_metadata(w, s: SynthSpec, qtype: str, name: str) -> None:
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_expert_count(s.n_expert)
     w.add_expert_used_count(s.n_expert_used)
-    w.add_expert_feed_forward_length(s.n_ff_exp)
+    if not llama:
+        w.add_expert_feed_forward_length(s.n_ff_exp)
+    else:
+        w.add_rope_dimension_count(s.head_dim)
     if s.n_swa:
         w.add_sliding_window(s.n_swa)
     if s.arch == "glm4moe":

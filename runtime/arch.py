@@ -1,7 +1,7 @@
 """What every architecture's loader hands the backends: hyperparameters, the tensors of
 each layer (optional ones None where an architecture has no such tensor), and the merges
 made at load time. Architectures: runtime.arch_qwen3moe, runtime.arch_gptoss,
-runtime.arch_glm4moe.
+runtime.arch_glm4moe, runtime.arch_deepseek2, runtime.arch_llama.
 """
 from __future__ import annotations
 

@@ -11,14 +11,15 @@ import warnings
 
 import numpy as np
 
-from . import (arch_deepseek2, arch_glm4moe, arch_gptoss, arch_qwen3moe, graph_deepseek2, graph_glm4moe, graph_gptoss,
-               graph_qwen3moe)
+from . import (arch_deepseek2, arch_glm4moe, arch_gptoss, arch_llama, arch_qwen3moe, graph_deepseek2, graph_glm4moe,
+               graph_gptoss, graph_qwen3moe)
 from .convert import note
 from .gguf_file import GGUFError, GGUFFile
 from .sampling import Sampler, Sampling
 
 ARCHS = {arch_qwen3moe.ARCH: (arch_qwen3moe, graph_qwen3moe), arch_gptoss.ARCH: (arch_gptoss, graph_gptoss),
-         arch_glm4moe.ARCH: (arch_glm4moe, graph_glm4moe), arch_deepseek2.ARCH: (arch_deepseek2, graph_deepseek2)}
+         arch_glm4moe.ARCH: (arch_glm4moe, graph_glm4moe), arch_deepseek2.ARCH: (arch_deepseek2, graph_deepseek2),
+         arch_llama.ARCH: (arch_llama, graph_glm4moe)}     # llama's layers: glm4moe's without norms or biases
 BACKENDS = ("cuda", "numpy")
 # With n_ubatch=None, a pass that returns every row's logits (logits(), perplexity) takes at
 # most this many tokens: its logits alone are n x n_vocab floats (Qwen3's 151936: 2.5 GB at

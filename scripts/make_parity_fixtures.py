@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the llama.cpp parity fixtures (tests/fixtures/parity/).
 
-Writes tiny qwen3moe, gpt-oss, glm4moe and deepseek2 GGUF files with moeforge's synth writer (seeded float weights,
+Writes tiny qwen3moe, gpt-oss, glm4moe, deepseek2 and llama (Mixtral) GGUF files with moeforge's synth writer (seeded float weights,
 quantized by gguf's reference quantizer, q4_K and q6_K by moeforge's own: bit-identical on
 every run; the K-quant files are a wider model, rows of whole super-blocks), evaluates them with
 llama.cpp on the CPU through llama-cpp-python (F32 KV cache, flash attention off, one
@@ -94,7 +94,11 @@ MIN_MARGIN_DS = 0.25
 FIXTURES_DS = {"ds-f32": dict(qtype="f32"), "ds-q8_0": dict(qtype="q8_0"), "ds-q4_0": dict(qtype="q4_0")}
 SPEC_DS_QLORA = dict(SPEC_DS, q_lora_rank=96)
 FIXTURES_DS_QLORA = {"ds-qlora-f32": dict(qtype="f32")}
-GROUPS = {"base": (SPEC, FIXTURES, MIN_MARGIN), "k": (SPEC_K, FIXTURES_K, MIN_MARGIN_K),
+# llama with experts (Mixtral's graph): no q/k norms, RoPE on adjacent pairs (the loader
+# permutes q's and k's rows so that the NEOX kernels turn them), softmax top-k renormalised
+SPEC_MIX = dict(SPEC, rms_eps=1e-5, arch="llama", qk_norm=False, n_ff=0)
+FIXTURES_MIX = {"mix-f32": dict(qtype="f32"), "mix-q8_0": dict(qtype="q8_0"), "mix-q4_0": dict(qtype="q4_0")}
+GROUPS = {"base": (SPEC, FIXTURES, MIN_MARGIN), "mixtral": (SPEC_MIX, FIXTURES_MIX, MIN_MARGIN_K), "k": (SPEC_K, FIXTURES_K, MIN_MARGIN_K),
           "k_m": (SPEC_K, FIXTURES_KM, MIN_MARGIN_K), "oss": (SPEC_OSS, FIXTURES_OSS, MIN_MARGIN),
           "glm": (SPEC_GLM, FIXTURES_GLM, MIN_MARGIN_K), "glm_qk": (SPEC_GLM_QK, FIXTURES_GLM_QK, MIN_MARGIN_K),
           "ds": (SPEC_DS, FIXTURES_DS, MIN_MARGIN_DS), "ds_qlora": (SPEC_DS_QLORA, FIXTURES_DS_QLORA, MIN_MARGIN_K)}

@@ -53,6 +53,8 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
     vals = {}
     for k in ("expert_count", "expert_used_count", "expert_feed_forward_length", "embedding_length"):
         v = field(f"{arch}.{k}")
+        if v is None and k == "expert_feed_forward_length" and arch == "llama":
+            v = field(f"{arch}.feed_forward_length")    # Mixtral's: the experts' width, the only key
         if v is None:
             raise ValueError(f"{path}: {arch}.{k} is missing; is this a Mixture-of-Experts model?")
         vals[k] = int(v)

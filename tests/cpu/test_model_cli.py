@@ -97,13 +97,15 @@ def test_synth_cli_arch_and_preset(tmp_path, capsys, monkeypatch):
     assert main(["synth", "--preset", "tiny-oss", "--merged-gate-up", out]) == 2
     assert "--merged-gate-up is for qwen3moe" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["synth", "--arch", "llama", out])
-    assert "invalid choice: 'llama'" in capsys.readouterr().err
+        main(["synth", "--arch", "mamba", out])
+    assert "invalid choice: 'mamba'" in capsys.readouterr().err
+    assert main(["synth", "--arch", "llama", out, "--quiet"]) == 0
+    assert calls[-1] == ("llama", 4096, "q4_0", "moeforge-synth mixtral-8x7b q4_0")
     from moeforge.cli_model import SYNTH_ARCHS, SYNTH_DEFAULTS
     from moeforge.synth import ARCHS, PRESETS
     assert set(SYNTH_ARCHS) == set(ARCHS) == set(SYNTH_DEFAULTS)
     assert all(PRESETS[p].arch == a and t in moeforge.synth.TYPES for a, (p, t) in SYNTH_DEFAULTS.items())
-    assert len(calls) == 6
+    assert len(calls) == 7
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the message given without a GPU")

@@ -72,13 +72,13 @@ def test_missing_and_bad_metadata(tiny, tmp_path):
 
 def test_wrong_architecture(tiny, tmp_path):
     import gguf
-    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch="llama")
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch="mamba")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError, match="architecture 'llama' is not supported"):
+    with pytest.raises(GGUFError, match="architecture 'mamba' is not supported"):
         load_model(str(tmp_path / "x.gguf"), backend="numpy")
 
 
