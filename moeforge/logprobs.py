@@ -50,7 +50,7 @@ def completion_logprobs(tokenizer, scored, text_offset0: int = 0) -> dict:
         s = token_text(tokenizer, t)
         tokens.append(s)
         offsets.append(at)
-        at += len(tokenizer.decode([t]))
+        at += len(tokenizer.piece(t))
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in scored],
             "top_logprobs": [({token_text(tokenizer, a): v for a, v in alts} if lp is not None else None)
                              for _, lp, alts in scored],

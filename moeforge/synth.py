@@ -22,7 +22,7 @@ import numpy as np
 from .codegen.quant import QUANT_TYPES
 from .runtime.convert import block_size, row_bytes
 from .synth_mla import add_deepseek2_metadata, deepseek2_layers
-from .synth_vocab import add_tokenizer
+from .synth_vocab import add_spm_tokenizer, add_tokenizer
 
 ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "llama")
 # q3_K_M, q4_K_M, q5_K_M: llama.cpp's mixes of those names (q3_K, q4_K or q5_K, with more
@@ -422,7 +422,7 @@ def write_model(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = "bl
         raise ValueError(f"merged_gate_up: {spec.arch} files hold gate and up separately")
     w = gguf.GGUFWriter(tmp, spec.arch)
     _add_metadata(w, spec, qtype, name or f"moeforge-synth {qtype}")
-    add_tokenizer(w, spec.n_vocab, seed)
+    (add_spm_tokenizer if spec.arch == "llama" else add_tokenizer)(w, spec.n_vocab, seed)
     total = 0
     for tname, shape, t in plan:
         nb = nbytes_of(shape, t)

@@ -71,3 +71,58 @@ def add_tokenizer(writer, n_vocab: int, seed: int = 0) -> None:
     writer.add_bos_token_id(eot)              # <|endoftext|>, as Qwen3's files say
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML)
+
+
+# SentencePiece vocabularies (llama.cpp's "llama" tokenizer model: Mixtral's, Llama 2's)
+SPM_SPACE = "\u2581"
+TOKEN_UNKNOWN, TOKEN_BYTE = 2, 6
+SPM_CHARS = SPM_SPACE + "etaoinshrdlcumwfgypbvkjxqzETAOINSHRDLCUMWFGYPBVKJXQZ0123456789.,!?'\"-:;()\n"
+# Mistral's instruction format, the turn format of Mixtral's files
+MISTRAL_INST = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+                "{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def build_spm_vocab(n_vocab: int, seed: int = 0) -> tuple[list[str], list[float], list[int]]:
+    """(pieces, scores, token types) with exactly n_vocab tokens, laid out as Llama's and
+    Mixtral's: <unk>, <s>, </s>, the 256 byte pieces <0xXX>, then pieces by falling score:
+    single characters (U+2581 for a space), then pieces grown from them as words are (a
+    U+2581 start, letters after it). Drawn, not learned: valid, not efficient."""
+    n_grown = n_vocab - 3 - 256 - len(SPM_CHARS)
+    if n_grown < 0:
+        raise ValueError(f"n_vocab={n_vocab} is too small for a SentencePiece vocabulary "
+                         f"(>= {3 + 256 + len(SPM_CHARS)})")
+    rng = np.random.default_rng(seed)
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(SPM_CHARS)
+    known, grown = set(pieces), []
+    letters = list("etaoinshrdlcumwfgypbvkjxqz")
+    weights = np.linspace(2.0, 0.2, len(letters))
+    weights /= weights.sum()
+    while len(grown) < n_grown:
+        r, b = rng.random(), letters[rng.choice(len(letters), p=weights)]
+        a = SPM_SPACE if not grown or r < 0.2 else grown[int(rng.random() * len(grown))]
+        if a + b not in known and len(a + b) <= 12:
+            known.add(a + b)
+            grown.append(a + b)
+    pieces += grown
+    types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL] + [TOKEN_BYTE] * 256 + [TOKEN_NORMAL] * (n_vocab - 259)
+    # the byte and control pieces score 0; the others fall with their rank, so that a piece
+    # grown earlier merges first (sentencepiece's BPE scores)
+    scores = [0.0] * 259 + [-float(i) for i in range(n_vocab - 259)]
+    return pieces, scores, types
+
+
+def add_spm_tokenizer(writer, n_vocab: int, seed: int = 0) -> None:
+    """The tokenizer.ggml.* keys a Mixtral GGUF carries (llama model, a space before the text)."""
+    pieces, scores, types = build_spm_vocab(n_vocab, seed)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(pieces)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(True)
+    writer.add_chat_template(MISTRAL_INST)

@@ -1,4 +1,5 @@
-"""Text <-> token ids from a GGUF file's own vocabulary (gpt2-style byte-level BPE).
+"""Text <-> token ids from a GGUF file's own vocabulary (gpt2-style byte-level BPE; llama-style
+SentencePiece ones in runtime.tokenizer_spm).
 
 Built with the `tokenizers` package (an optional dependency: `pip install tokenizers`,
 or moeforge[tokenizer]); the model itself takes and returns ids and never needs it.
@@ -66,9 +67,12 @@ _BYTE_OF = {c: b for b, c in enumerate(byte_alphabet())}
 
 
 class Tokenizer:
-    def __init__(self, tok, bos_id, eos_id, add_bos: bool):
+    def __init__(self, tok, bos_id, eos_id, add_bos: bool, spm_space: bool | None = None):
+        """spm_space: None for byte-level BPE; for a SentencePiece vocabulary whether its
+        encoder puts a space before the text (runtime.tokenizer_spm)."""
         self._tok = tok
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.spm_space = spm_space
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
@@ -80,12 +84,15 @@ class Tokenizer:
             raise ImportError("text in and out needs the `tokenizers` package: pip install tokenizers "
                               "(token ids work without it)") from None
         model = f.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise GGUFError(f"{f.path}: tokenizer.ggml.model is {model!r}; moeforge reads gpt2-style "
-                            f"byte-level BPE vocabularies only")
+                            f"byte-level BPE and llama-style SentencePiece vocabularies")
         tokens = f.get("tokenizer.ggml.tokens", required=True)
-        merges = f.get("tokenizer.ggml.merges", required=True)
         types = f.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        if model == "llama":
+            from . import tokenizer_spm
+            return tokenizer_spm.build(cls, f, tokens, types)
+        merges = f.get("tokenizer.ggml.merges", required=True)
         pre = f.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_PATTERNS:
             raise GGUFError(f"{f.path}: pre-tokenizer {pre!r} is not known to moeforge "
@@ -118,7 +125,30 @@ class Tokenizer:
         return ids
 
     def decode(self, ids, skip_special: bool = False) -> str:
-        return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special)
+        """The text of ids. A SentencePiece vocabulary's encoder put a space before the text:
+        its first piece's leading space is dropped (after special tokens), as llama.cpp's
+        detokenizer drops it; piece() and stream() keep every space."""
+        ids = list(map(int, ids))
+        if not self.spm_space:
+            return self._tok.decode(ids, skip_special_tokens=skip_special)
+        special = self._special_ids()
+        first = next((i for i, t in enumerate(ids) if t not in special), None)
+        if first is None or not self.token_bytes(ids[first]).startswith(b" "):
+            return self._tok.decode(ids, skip_special_tokens=skip_special)
+        head = self._tok.decode(ids[:first], skip_special_tokens=skip_special)
+        return head + self._tok.decode(ids[first:], skip_special_tokens=skip_special)[1:]
+
+    def _special_ids(self) -> set[int]:
+        if not hasattr(self, "_specials"):
+            self._specials = set(self._tok.get_added_tokens_decoder())
+        return self._specials
+
+    def piece(self, token_id: int) -> str:
+        """One token's text as it continues a text (decode of it alone, but a SentencePiece
+        piece keeps its leading space)."""
+        if self.spm_space is None:
+            return self._tok.decode([int(token_id)])
+        return self.token_bytes(token_id).decode("utf-8", "replace")
 
     def stream(self) -> "TextStream":
         """An incremental decoder: each token's text as it completes, O(1) a token (decode
@@ -128,6 +158,9 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a character, for some): its vocabulary
         string through the byte alphabet; a special token's text as it is."""
+        if self.spm_space is not None:
+            from .tokenizer_spm import token_bytes
+            return token_bytes(self._tok, token_id)
         s = self._tok.id_to_token(int(token_id)) or ""
         if all(c in _BYTE_OF for c in s):
             return bytes(_BYTE_OF[c] for c in s)

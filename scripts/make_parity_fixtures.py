@@ -199,6 +199,29 @@ GLM4_TEXTS = ["Hello world's 12345 CAPS\n\n  x", "yueifa yudrcu lyt wdgeo", "Ün
               "  a\tb\r\nc   ", "yu yuk yueip yueiph ie"]
 
 
+# a SentencePiece vocabulary (the mix-* fixtures', as Mixtral's): spaces, runs of them, tabs
+# and newlines, characters only byte pieces spell, U+2581 itself, and random strings of them
+SPM_TEXTS = ["Hello world", " leading space", "two  spaces\tand\nlines\n\n", "中文 and é ü 🙂", "\u2581raw\u2581",
+             "the rest of it is here", "", "x"]
+
+
+def spm_ids(out: str, spec: dict, fixture: dict, file: str, n_random: int = 40) -> None:
+    """llama.cpp's token ids (BOS added, specials not parsed) for SPM_TEXTS and seeded random
+    strings, on a fixture's SentencePiece vocabulary."""
+    import llama_cpp
+    rng = np.random.default_rng(SEED)
+    alpha = list("etaoinshrdlu  ETAOIN.,!?'\n\t0123") + ["  ", "中", "é", "🙂", "\u2581", "ü"]
+    texts = SPM_TEXTS + ["".join(rng.choice(alpha, size=int(rng.integers(1, 40)))) for _ in range(n_random)]
+    with tempfile.TemporaryDirectory() as tmp:
+        p = os.path.join(tmp, "spm.gguf")
+        write_fixture_model(p, {"spec": spec, "seed": SEED, "args": fixture})
+        llm = llama_cpp.Llama(p, vocab_only=True, verbose=False)
+        ids = [llm.tokenize(t.encode(), add_bos=True, special=False) for t in texts]
+    with open(os.path.join(out, file), "w") as fh:
+        json.dump({"texts": texts, "ids": ids}, fh, indent=1)
+        fh.write("\n")
+
+
 def pre_tokenizer_ids(out: str, pre: str, texts: list[str], spec: dict, fixture: dict, file: str) -> None:
     """llama.cpp's token ids for texts under the pre-tokenizer `pre` (with a BOS where the
     vocabulary adds one), on a fixture's vocabulary: glm4's split (whole pieces before
@@ -239,6 +262,8 @@ def main(argv=None) -> int:
             return 1
         if group == "glm":
             pre_tokenizer_ids(args.out, "glm4", GLM4_TEXTS, SPEC_GLM, FIXTURES_GLM["glm-f32"], "glm4-tokens.json")
+        if group == "mixtral":
+            spm_ids(args.out, SPEC_MIX, FIXTURES_MIX["mix-f32"], "spm-tokens.json")
         if group == "ds":
             pre_tokenizer_ids(args.out, "deepseek-llm", DEEPSEEK_TEXTS, SPEC_DS, FIXTURES_DS["ds-f32"],
                               "deepseek-llm-tokens.json")

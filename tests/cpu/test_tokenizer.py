@@ -63,7 +63,7 @@ def test_missing_tokenizers_package_is_a_clear_error(gguf_path, monkeypatch):
 def test_unsupported_vocabulary(gguf_path, tmp_path):
     from moeforge.runtime.tokenizer import Tokenizer
     f = GGUFFile(gguf_path)
-    f.metadata["tokenizer.ggml.model"] = "llama"
+    f.metadata["tokenizer.ggml.model"] = "bert"
     with pytest.raises(GGUFError, match="gpt2-style"):
         Tokenizer.from_gguf(f)
 
