@@ -24,7 +24,7 @@ FTYPES = {0: "all F32", 1: "F16", 2: "Q4_0", 7: "Q8_0", 10: "Q2_K - Medium", 11:
           38: "MXFP4 MoE"}
 SIZE_LABELS = {("qwen3moe", 48): "30B.A3B", ("qwen3moe", 94): "235B.A22B", ("gpt-oss", 24): "20B",
                ("gpt-oss", 36): "120B", ("glm4moe", 46): "106B.A12B", ("glm4moe", 92): "355B.A32B",
-               ("deepseek2", 27): "16B", ("llama", 32): "8x7B"}
+               ("deepseek2", 27): "16B", ("llama", 32): "8x7B", ("llama", 56): "8x22B"}
 
 
 def model_label(m) -> str:

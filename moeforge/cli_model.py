@@ -152,7 +152,7 @@ def add_commands(sub) -> None:
                    help="qwen3moe: qwen3-30b-a3b (the default), qwen3-235b-a22b, tiny or tiny-k (tiny with rows of "
                         "whole K-quant super-blocks); gpt-oss: gpt-oss-20b (the default with --arch gpt-oss) "
                         "or tiny-oss; glm4moe: glm-4.5-air, glm-4.5 or tiny-glm; deepseek2: deepseek-v2-lite "
-                        "or tiny-deepseek; llama: mixtral-8x7b or tiny-mixtral")
+                        "or tiny-deepseek; llama: mixtral-8x7b, mixtral-8x22b or tiny-mixtral")
     s.add_argument("--type", default=None, choices=SYNTH_TYPES,
                    help="type of every matrix, or q3_K_M / q4_K_M / q5_K_M / q2_K_mix: llama.cpp's mixes "
                         "Q3_K_M, Q4_K_M, Q5_K_M and Q2_K (q6_K for the head; more bits for attn_v, "

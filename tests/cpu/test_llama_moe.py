@@ -154,3 +154,5 @@ def test_mixtral_preset_is_mixtral_sized():
     assert not any("attn_q_norm" in n or n.endswith(".bias") for n in names)
     params = sum(int(np.prod(s)) for _, s, _ in plan)
     assert 46e9 < params < 47.5e9, params
+    big = sum(int(np.prod(s)) for _, s, _ in tensor_plan(preset("mixtral-8x22b"), "q4_0"))
+    assert 140e9 < big < 142e9, big
