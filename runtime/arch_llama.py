@@ -20,12 +20,11 @@ import re
 
 import numpy as np
 
+from . import arch_qwen3moe
 from .arch import HParams, LayerRefs, ModelRefs, common_hparams, open_layers
 from .gguf_file import Expect, GGUFError, GGUFFile, TensorRef
 
 ARCH = "llama"
-F32 = ("f32",)
-ROUTER_TYPES = ("f32", "f16")
 
 
 def read_hparams(f: GGUFFile) -> HParams:
@@ -54,30 +53,8 @@ def read_hparams(f: GGUFFile) -> HParams:
 
 
 def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
-    d, E, ff = hp.n_embd, hp.n_expert, hp.n_ff_exp
-    ex = {
-        "token_embd.weight": Expect((hp.n_vocab, d)),
-        "output_norm.weight": Expect((d,), F32),
-        "output.weight": Expect((hp.n_vocab, d), required=False),   # absent: tied to the embedding
-    }
-    for i in range(hp.n_layer):
-        b = f"blk.{i}."
-        ex.update({
-            b + "attn_norm.weight": Expect((d,), F32),
-            b + "attn_q.weight": Expect((hp.q_dim, d)),
-            b + "attn_k.weight": Expect((hp.kv_dim, d)),
-            b + "attn_v.weight": Expect((hp.kv_dim, d)),
-            b + "attn_output.weight": Expect((d, hp.q_dim)),
-            b + "ffn_norm.weight": Expect((d,), F32),
-            b + "ffn_gate_inp.weight": Expect((E, d), ROUTER_TYPES),
-            b + "ffn_down_exps.weight": Expect((E, d, ff)),
-        })
-        if b + "ffn_gate_up_exps.weight" in f.tensors:
-            ex[b + "ffn_gate_up_exps.weight"] = Expect((E, 2 * ff, d))
-        else:
-            ex[b + "ffn_gate_exps.weight"] = Expect((E, ff, d))
-            ex[b + "ffn_up_exps.weight"] = Expect((E, ff, d))
-    return ex
+    """qwen3moe's tensors without its q/k norms."""
+    return arch_qwen3moe.expected_tensors(hp, f, qk_norm=False)
 
 
 def _refuse_known_extras(f: GGUFFile) -> None:

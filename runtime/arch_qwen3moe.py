@@ -34,7 +34,8 @@ def read_hparams(f: GGUFFile) -> HParams:
     )
 
 
-def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
+def expected_tensors(hp: HParams, f: GGUFFile, qk_norm: bool = True) -> dict[str, Expect]:
+    """qk_norm False: llama's layers with experts (Mixtral's), the same without the norms."""
     d, E, ff = hp.n_embd, hp.n_expert, hp.n_ff_exp
     ex = {
         "token_embd.weight": Expect((hp.n_vocab, d)),
@@ -49,12 +50,13 @@ def expected_tensors(hp: HParams, f: GGUFFile) -> dict[str, Expect]:
             b + "attn_k.weight": Expect((hp.kv_dim, d)),
             b + "attn_v.weight": Expect((hp.kv_dim, d)),
             b + "attn_output.weight": Expect((d, hp.q_dim)),
-            b + "attn_q_norm.weight": Expect((hp.head_dim,), NORM_TYPES),
-            b + "attn_k_norm.weight": Expect((hp.head_dim,), NORM_TYPES),
             b + "ffn_norm.weight": Expect((d,), NORM_TYPES),
             b + "ffn_gate_inp.weight": Expect((E, d), ROUTER_TYPES),
             b + "ffn_down_exps.weight": Expect((E, d, ff)),
         })
+        if qk_norm:
+            ex[b + "attn_q_norm.weight"] = Expect((hp.head_dim,), NORM_TYPES)
+            ex[b + "attn_k_norm.weight"] = Expect((hp.head_dim,), NORM_TYPES)
         if b + "ffn_gate_up_exps.weight" in f.tensors:
             ex[b + "ffn_gate_up_exps.weight"] = Expect((E, 2 * ff, d))
         else:

@@ -199,6 +199,36 @@ def assert_cache_consistent(m, toks, cuts, rel=None):
     np.testing.assert_allclose(chunks, whole, atol=atol, rtol=0)
 
 
+def record_router_gaps(monkeypatch) -> list:
+    """Every numpy route call from now on appends, per token, the gap between the k-th and
+    (k+1)-th of its choice keys (softmax routing: the logits; sigmoid: the probabilities
+    plus the selection bias). At a near tie the GPU and the emulation may each take either
+    expert, and as later positions attend to it their logits part too (first_near_tie).
+    f16 and tf32 attention, the f16 KV cache and the GPU's ex2.approx (an ulp from float64's
+    exp2) moved a router logit by up to 2.5e-4 (tiny gpt-oss, seed 1020490866)."""
+    from moeforge.runtime.backend_numpy import NumpyBackend
+    gaps, route = [], NumpyBackend.route
+
+    def recording(self, logits, gating, sel_bias=None):
+        z = logits.astype(np.float64)
+        if gating.func == "sigmoid":
+            z = 1.0 / (1.0 + np.exp(-z)) + (0.0 if sel_bias is None else np.asarray(sel_bias, np.float64))
+        srt = -np.sort(-z, axis=-1)
+        gaps.append(srt[:, gating.top_k - 1] - srt[:, gating.top_k])
+        return route(self, logits, gating, sel_bias)
+    monkeypatch.setattr(NumpyBackend, "route", recording)
+    return gaps
+
+
+def first_near_tie(gaps, n_routed: int, below: float) -> int:
+    """The first position whose routing had a gap under `below` in one of its n_routed
+    layers (every eval call, a ubatch or a decode step, routes them one after the other),
+    or the count of positions."""
+    per_pos = np.concatenate([np.min(gaps[i:i + n_routed], axis=0) for i in range(0, len(gaps), n_routed)])
+    near = np.nonzero(per_pos < below)[0]
+    return int(near[0]) if len(near) else len(per_pos)
+
+
 # a pick trailing ref's top-1 by less than this share of its logits' spread is a near tie
 NEAR_TIE = 0.02
 

@@ -39,3 +39,25 @@ def test_a_shifted_distribution_fails_on_its_kl(rng):
     got[np.arange(len(ref)), ref.argmax(-1)] = ref.max(-1) + 5.0     # top-1 kept, the rest moved
     with pytest.raises(AssertionError, match="mean KL"):
         assert_matches_emulation(got, ref, "q4_0", seed=0)
+
+
+@pytest.mark.parametrize("name", ["f32", "glm-f32"])
+def test_router_gaps_a_layer_a_call(parity_models, monkeypatch, name):
+    """conftest.record_router_gaps: one array a routed layer and eval call, a gap a token
+    (softmax: logits; glm's sigmoid: probability plus selection bias), never negative;
+    first_near_tie counts positions across the calls."""
+    from conftest import first_near_tie, record_router_gaps
+    from moeforge.runtime.model import load_model
+    fx = parity_models[name]
+    m = load_model(fx["path"], backend="numpy")
+    gaps = record_router_gaps(monkeypatch)
+    m.reset(8)
+    m.eval(fx["tokens"][:5])
+    m.eval(fx["tokens"][5:6])
+    routed = m.hp.n_layer - m.hp.n_dense_lead
+    assert [len(g) for g in gaps] == [5] * routed + [1] * routed
+    assert all((g >= 0).all() for g in gaps)
+    assert first_near_tie(gaps, routed, 0.0) == 6 and first_near_tie(gaps, routed, np.inf) == 0
+    smallest = np.concatenate([np.min(gaps[:routed], axis=0), gaps[routed]])
+    at = int(np.argmin(smallest))
+    assert first_near_tie(gaps, routed, smallest[at] * (1 + 1e-9) + 1e-300) == at

@@ -10,8 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import assert_matches_emulation, assert_matches_llama_cpp, kl_per_token, rewrite, run_seed
-from moeforge.runtime.backend_numpy import NumpyBackend
+from conftest import (assert_matches_emulation, assert_matches_llama_cpp, first_near_tie, kl_per_token,
+                      record_router_gaps, rewrite, run_seed)
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
 
@@ -44,28 +44,6 @@ def mid_models(tmp_path_factory):
     return out, np.random.default_rng(seed).integers(0, 500, N_TOKENS), seed
 
 
-def _record_key_gaps(monkeypatch):
-    """Per numpy route call, each token's gap between its k-th and (k+1)-th choice keys
-    (sigmoid probability plus selection bias): at a near-tie the GPU and the emulation may
-    each take either expert, and from there on only the quantized bar holds."""
-    gaps, route = [], NumpyBackend.route
-
-    def recording(self, logits, gating, sel_bias=None):
-        z = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + np.asarray(sel_bias, np.float64)
-        s = -np.sort(-z, axis=-1)
-        gaps.append(s[:, gating.top_k - 1] - s[:, gating.top_k])
-        return route(self, logits, gating, sel_bias)
-    monkeypatch.setattr(NumpyBackend, "route", recording)
-    return gaps
-
-
-def _first_near_tie(gaps, n_moe):
-    per_pos = np.concatenate([np.min(gaps[i:i + n_moe], axis=0) for i in range(0, len(gaps), n_moe)])
-    near = np.nonzero(per_pos < 1e-4)[0]
-    return int(near[0]) if len(near) else len(per_pos)
-
-
-
 @pytest.mark.parametrize("name", ["f32", "q8_0", "q4_0"])
 @pytest.mark.parametrize("qk", [False, True])
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
@@ -74,10 +52,10 @@ def test_prompt_matches_emulation(mid_models, name, qk, cache_type, monkeypatch)
     paths, toks, seed = mid_models
     kw = dict(cache_type=cache_type, n_ubatch=48)
     got = load_model(paths[name, qk], backend="cuda", **kw).logits(toks)
-    gaps = _record_key_gaps(monkeypatch)
+    gaps = record_router_gaps(monkeypatch)
     ref_model = load_model(paths[name, qk], backend="numpy", numerics="kernel", **kw)
     ref = ref_model.logits(toks)
-    exact = _first_near_tie(gaps, ref_model.hp.n_layer - ref_model.hp.n_dense_lead)
+    exact = first_near_tie(gaps, ref_model.hp.n_layer - ref_model.hp.n_dense_lead, 1e-4)
     assert_matches_emulation(got, ref, name, seed, exact)
 
 
@@ -98,7 +76,7 @@ def test_decode_matches_emulation(mid_models, name, grouped, qk, monkeypatch):
         with pytest.raises(ValueError, match="grouped decode attention takes groups of"):
             m.eval(toks[8:9])
         return
-    gaps = _record_key_gaps(monkeypatch)
+    gaps = record_router_gaps(monkeypatch)
     outs = []
     for backend in ("cuda", "numpy"):
         m = load_model(paths[name, qk], backend=backend, **({} if backend == "cuda" else {"numerics": "kernel"}))
@@ -111,7 +89,7 @@ def test_decode_matches_emulation(mid_models, name, grouped, qk, monkeypatch):
             outs.append(np.concatenate([m.eval([t]) for t in toks[64:]]))
         if backend == "cuda":
             assert m.backend.graphs.captured("decode-grouped" if grouped else "decode")
-    exact = max(_first_near_tie(gaps, m.hp.n_layer - m.hp.n_dense_lead) - 64, 0)
+    exact = max(first_near_tie(gaps, m.hp.n_layer - m.hp.n_dense_lead, 1e-4) - 64, 0)
     assert_matches_emulation(outs[0], outs[1], name, seed, exact)
 
 

@@ -7,8 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import assert_matches_emulation, assert_matches_llama_cpp, run_seed
-from moeforge.runtime.backend_numpy import NumpyBackend
+from conftest import assert_matches_emulation, assert_matches_llama_cpp, first_near_tie, record_router_gaps, run_seed
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
 
@@ -31,40 +30,12 @@ def oss_models(tmp_path_factory):
     return out, toks, seed
 
 
-
-def _record_router_gaps(monkeypatch):
-    """Every numpy route call from now on appends, per token, the gap between its router's
-    k-th and (k+1)-th logits. f16 and tf32 attention and the f16 KV cache round, and the
-    GPU's ex2.approx is an ulp from float64's exp2, which moved a router logit by 2.5e-4
-    (seed 1020490866: tiny-oss picks 2 experts of 8, two of them were 2.5e-4 apart): at
-    such a position the GPU and the emulation may each take either expert, and as later
-    positions attend to it their logits part too. Before it they agree elementwise; the
-    first near-tie came at position 3 to 150 (median ~90) on 16 seeds."""
-    gaps, route = [], NumpyBackend.route
-
-    def recording(self, logits, gating, sel_bias=None):
-        s = -np.sort(-logits.astype(np.float64), axis=-1)
-        gaps.append(s[:, gating.top_k - 1] - s[:, gating.top_k])
-        return route(self, logits, gating, sel_bias)
-
-    monkeypatch.setattr(NumpyBackend, "route", recording)
-    return gaps
-
-
-def _first_near_tie(gaps, n_layer):
-    """The first position whose router had a gap under 1e-3 in some layer (every eval call,
-    a ubatch or a decode step, routes its layers one after the other), or the count."""
-    per_pos = np.concatenate([np.min(gaps[i:i + n_layer], axis=0) for i in range(0, len(gaps), n_layer)])
-    near = np.nonzero(per_pos < 1e-3)[0]
-    return int(near[0]) if len(near) else len(per_pos)
-
-
 def _emulate_with_router_gaps(path, toks, monkeypatch, **kw):
-    """The emulation's logits, and the first position of a near-tie (_record_router_gaps)."""
-    gaps = _record_router_gaps(monkeypatch)
+    """The emulation's logits, and the first position of a near-tie (conftest.record_router_gaps)."""
+    gaps = record_router_gaps(monkeypatch)
     model = load_model(path, backend="numpy", numerics="kernel", **kw)
     ref = model.logits(toks)
-    return ref, _first_near_tie(gaps, model.hp.n_layer)
+    return ref, first_near_tie(gaps, model.hp.n_layer, 1e-3)
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-f32", "gpt-oss-q8_0", "gpt-oss-mxfp4_moe"])
@@ -117,7 +88,7 @@ def test_decode_past_the_window(oss_models, splits, cache_type, grouped, monkeyp
     order; an f16 cache rounds, so from a router's near-tie on only the quantized bar holds:
     seed 40938917 had a gap of 2.5e-4 at prompt position 77, and every step attends to it)."""
     paths, toks, seed = oss_models
-    gaps = _record_router_gaps(monkeypatch)
+    gaps = record_router_gaps(monkeypatch)
     outs = []
     for backend in ("cuda", "numpy"):
         m = load_model(paths["f32"], backend=backend, cache_type=cache_type,
@@ -132,7 +103,7 @@ def test_decode_past_the_window(oss_models, splits, cache_type, grouped, monkeyp
             outs.append(np.concatenate([m.eval([t]) for t in toks[100:]]))
         if backend == "cuda":
             assert m.backend.graphs.captured("decode-grouped" if grouped else "decode")
-    exact_until = max(_first_near_tie(gaps, m.hp.n_layer) - 100, 0) if cache_type == "f16" else None
+    exact_until = max(first_near_tie(gaps, m.hp.n_layer, 1e-3) - 100, 0) if cache_type == "f16" else None
     assert_matches_emulation(outs[0], outs[1], "f32", seed, exact_until)
 
 

@@ -9,14 +9,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import assert_matches_emulation, assert_matches_llama_cpp, kl_per_token, run_seed
-from moeforge.runtime.backend_numpy import NumpyBackend
+from conftest import (assert_matches_emulation, assert_matches_llama_cpp, first_near_tie, kl_per_token,
+                      record_router_gaps, run_seed)
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
 
 pytestmark = pytest.mark.gpu
 
 N_TOKENS = 96
+NEAR_TIE_GAP = 1e-3     # router logits: gpt-oss's bar (conftest.record_router_gaps)
 MID = replace(preset("tiny-mixtral"), n_vocab=512, n_embd=256, n_layer=3, n_head=16, n_head_kv=2, head_dim=128,
               n_ff_exp=128, n_expert=8, n_expert_used=2)
 
@@ -47,26 +48,6 @@ def mid_models(tmp_path_factory):
     return out, np.random.default_rng(seed).integers(0, 500, N_TOKENS), seed
 
 
-def _record_gaps(monkeypatch):
-    """Per numpy route call, each token's gap between its k-th and (k+1)-th router logit: at
-    a near tie the GPU and the emulation may each take either expert, and from there on only
-    the quantized bar holds."""
-    gaps, route = [], NumpyBackend.route
-
-    def recording(self, logits, gating, sel_bias=None):
-        s = -np.sort(-logits.astype(np.float64), axis=-1)
-        gaps.append(s[:, gating.top_k - 1] - s[:, gating.top_k])
-        return route(self, logits, gating, sel_bias)
-    monkeypatch.setattr(NumpyBackend, "route", recording)
-    return gaps
-
-
-def _first_near_tie(gaps, n_layer):
-    per_pos = np.concatenate([np.min(gaps[i:i + n_layer], axis=0) for i in range(0, len(gaps), n_layer)])
-    near = np.nonzero(per_pos < 1e-4)[0]
-    return int(near[0]) if len(near) else len(per_pos)
-
-
 @pytest.mark.parametrize("name", ["f32", "q4_0"])
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
 def test_prompt_matches_emulation(mid_models, name, cache_type, monkeypatch):
@@ -74,10 +55,10 @@ def test_prompt_matches_emulation(mid_models, name, cache_type, monkeypatch):
     paths, toks, seed = mid_models
     kw = dict(cache_type=cache_type, n_ubatch=40)
     got = load_model(paths[name], backend="cuda", **kw).logits(toks)
-    gaps = _record_gaps(monkeypatch)
+    gaps = record_router_gaps(monkeypatch)
     ref_model = load_model(paths[name], backend="numpy", numerics="kernel", **kw)
     ref = ref_model.logits(toks)
-    assert_matches_emulation(got, ref, name, seed, _first_near_tie(gaps, ref_model.hp.n_layer))
+    assert_matches_emulation(got, ref, name, seed, first_near_tie(gaps, ref_model.hp.n_layer, NEAR_TIE_GAP))
 
 
 @pytest.mark.parametrize("name", ["f32", "q4_0"])
@@ -86,7 +67,7 @@ def test_decode_matches_emulation(mid_models, name, grouped, monkeypatch):
     """Decode steps (CUDA graph) after a 48-token prompt, a block per query head or per
     group of a key head's 8."""
     paths, toks, seed = mid_models
-    gaps = _record_gaps(monkeypatch)
+    gaps = record_router_gaps(monkeypatch)
     outs = []
     for backend in ("cuda", "numpy"):
         m = load_model(paths[name], backend=backend, **({} if backend == "cuda" else {"numerics": "kernel"}))
@@ -99,5 +80,5 @@ def test_decode_matches_emulation(mid_models, name, grouped, monkeypatch):
             outs.append(np.concatenate([m.eval([t]) for t in toks[48:]]))
         if backend == "cuda":
             assert m.backend.graphs.captured("decode-grouped" if grouped else "decode")
-    exact = max(_first_near_tie(gaps, m.hp.n_layer) - 48, 0)
+    exact = max(first_near_tie(gaps, m.hp.n_layer, NEAR_TIE_GAP) - 48, 0)
     assert_matches_emulation(outs[0], outs[1], name, seed, exact)
