@@ -22,6 +22,7 @@ QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS 
 # context's rows two a warp, all in flight at once)
 MLA_HEADS, MLA_MAX_R, MLA_MAX_D, MLA_MAX_SPLITS = 16, 512, 576, 512
 MLA_STORE_THREADS = 256     # mla_rope_store's block (its latent: two values a thread)
+MLA_THREADS = 256           # attn_decode_mla's block (a pair of the latent's values a thread)
 MLA_MIN_ROWS = 16
 # A prompt's latent attention on attn_decode_mla (FMA, captured) up to this many (token,
 # cached position) pairs, n x its mean context; past it on cuBLAS, eagerly. H200, synthetic
@@ -278,7 +279,7 @@ class CudaAttentionOps:
                 q.lat, q.q, kc, pos, part, out, _i32(n), _i32(H), _i32(m.nope_dim), scale_log2, _i32(bufs),
                 _i32(MLA_MIN_ROWS)), smem=mla_prefill_smem(bufs))
         else:
-            self.kernel("attn_decode_mla")((splits, groups, n), (256,), (
+            self.kernel("attn_decode_mla")((splits, groups, n), (MLA_THREADS,), (
                 q.lat, q.q, kc, pos, part, out, _i32(H), _i32(D), _i32(r), _i32(m.nope_dim), scale_log2,
                 _i32(MLA_MIN_ROWS)))
         if splits > 1:

@@ -288,6 +288,6 @@ def test_runtime_launches_the_latent_kernels_with_the_templates_sizes():
     from moeforge.runtime import attention_cuda as ac
     src = render(ModelSpec())
     defined = {k: int(v) for k, v in re.findall(r"#define (MLA_\w+) (\d+)", src)}
-    for name in ("MLA_STORE_THREADS", "MLA_HEADS", "MLA_MAX_D", "MLA_MAX_SPLITS"):
+    for name in ("MLA_STORE_THREADS", "MLA_THREADS", "MLA_HEADS", "MLA_MAX_D", "MLA_MAX_SPLITS"):
         assert defined[name] == getattr(ac, name), name
     assert ac.MLA_MAX_R == 2 * defined["MLA_THREADS"] == 2 * defined["MLA_STORE_THREADS"]   # two latent values a thread
