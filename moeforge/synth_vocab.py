@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .runtime.tokenizer import byte_alphabet
+from .runtime.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, byte_alphabet
+from .runtime.tokenizer_spm import SPACE as SPM_SPACE
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TOKEN_NORMAL, TOKEN_CONTROL = 1, 3
 # ChatML, the turn format of Qwen's models (their files carry a longer template of it)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -74,8 +74,6 @@ def add_tokenizer(writer, n_vocab: int, seed: int = 0) -> None:
 
 
 # SentencePiece vocabularies (llama.cpp's "llama" tokenizer model: Mixtral's, Llama 2's)
-SPM_SPACE = "\u2581"
-TOKEN_UNKNOWN, TOKEN_BYTE = 2, 6
 SPM_CHARS = SPM_SPACE + "etaoinshrdlcumwfgypbvkjxqzETAOINSHRDLCUMWFGYPBVKJXQZ0123456789.,!?'\"-:;()\n"
 # Mistral's instruction format, the turn format of Mixtral's files
 MISTRAL_INST = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"

@@ -184,6 +184,13 @@ def common_hparams(f: GGUFFile, arch: str, more: tuple[str, ...] = (), equal_kv:
                 **({} if equal_kv else {"v_dim": v_dim}))
 
 
+def refuse_scaled_rope(f: GGUFFile, arch: str) -> None:
+    """Architectures whose RoPE runs unscaled: a file that scales it is refused by name."""
+    scaling = str(f.get(f"{arch}.rope.scaling.type", "none"))
+    if scaling != "none" and f.get(f"{arch}.rope.scaling.factor", 0.0, kind=float) not in (0.0, 1.0):
+        raise GGUFError(f"{f.path}: {arch}.rope.scaling.type {scaling!r}: scaled RoPE is not supported for {arch}")
+
+
 def merge_gate_up(gate: TensorRef, up: TensorRef, name: str) -> TensorRef:
     """(E, ff, k) gate and up -> (E, 2*ff, k), gate rows first: one GEMM instead of two.
     The concatenation is made where the bytes are loaded to (load(cupy): on the device)."""

@@ -20,7 +20,8 @@ types than the routed ones, it stays a one-expert FFN of its own (LayerRefs.shar
 from __future__ import annotations
 
 
-from .arch import HParams, LayerRefs, ModelRefs, common_hparams, ffn_refs, open_layers, place_shared
+from .arch import (HParams, LayerRefs, ModelRefs, common_hparams, ffn_refs, open_layers, place_shared,
+                   refuse_scaled_rope)
 from .gguf_file import Expect, GGUFError, GGUFFile
 
 ARCH = "glm4moe"
@@ -45,9 +46,7 @@ def read_hparams(f: GGUFFile) -> tuple[HParams, int]:
     sections = f.get(f"{a}.rope.dimension_sections", None)
     if sections is not None and any(int(s) for s in sections):
         raise GGUFError(f"{f.path}: {a}.rope.dimension_sections: multimodal RoPE (M-RoPE) is not supported")
-    scaling = str(f.get(f"{a}.rope.scaling.type", "none"))
-    if scaling != "none" and f.get(f"{a}.rope.scaling.factor", 0.0, kind=float) not in (0.0, 1.0):
-        raise GGUFError(f"{f.path}: {a}.rope.scaling.type {scaling!r}: scaled RoPE is not supported for {ARCH}")
+    refuse_scaled_rope(f, a)
     if f.get(f"{a}.expert_group_count", 1, kind=int) > 1:
         raise GGUFError(f"{f.path}: {a}.expert_group_count: group-limited routing is not supported")
     func = f.get(f"{a}.expert_gating_func", 2, kind=int) or 2    # none: llama.cpp's default for glm4moe

@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from . import arch_qwen3moe
-from .arch import HParams, LayerRefs, ModelRefs, common_hparams, open_layers
+from .arch import HParams, LayerRefs, ModelRefs, common_hparams, open_layers, refuse_scaled_rope
 from .gguf_file import Expect, GGUFError, GGUFFile, TensorRef
 
 ARCH = "llama"
@@ -29,7 +29,7 @@ ARCH = "llama"
 
 def read_hparams(f: GGUFFile) -> HParams:
     a = ARCH
-    if f.architecture == a and not f.get(f"{a}.expert_count", 0, kind=int):
+    if not f.get(f"{a}.expert_count", 0, kind=int):
         raise GGUFError(f"{f.path}: a dense llama model ({a}.expert_count is missing or 0): moeforge runs "
                         f"mixture-of-experts models; llama files with experts (Mixtral's) run")
     c = common_hparams(f, a)
@@ -37,9 +37,7 @@ def read_hparams(f: GGUFFile) -> HParams:
     rot = f.get(f"{a}.rope.dimension_count", head_dim, kind=int)
     if rot != head_dim:
         raise GGUFError(f"{f.path}: {a}.rope.dimension_count ({rot}) must equal the head size ({head_dim})")
-    scaling = str(f.get(f"{a}.rope.scaling.type", "none"))
-    if scaling != "none" and f.get(f"{a}.rope.scaling.factor", 0.0, kind=float) not in (0.0, 1.0):
-        raise GGUFError(f"{f.path}: {a}.rope.scaling.type {scaling!r}: scaled RoPE is not supported for {a}")
+    refuse_scaled_rope(f, a)
     if f.get(f"{a}.attention.scale", 0.0, kind=float) != 0.0:
         raise GGUFError(f"{f.path}: {a}.attention.scale: a softmax scale other than 1/sqrt(head size) is not supported")
     n_ff = f.get(f"{a}.feed_forward_length", required=True, kind=int)

@@ -46,7 +46,8 @@ PRE_PATTERNS = {"qwen2": _QWEN2, "default": _GPT2, "gpt-2": _GPT2, "gpt-4o": _O2
 # vocabularies whose pieces are taken whole where the vocabulary holds them, before any
 # merge (llama.cpp's ignore_merges), and that never start with a BOS token
 WHOLE_PIECES = ("glm4",)
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+# llama.cpp's token types (tokenizer.ggml.token_type)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_BYTE = 1, 2, 3, 4, 6
 
 
 def byte_alphabet() -> list[str]:
@@ -73,6 +74,7 @@ class Tokenizer:
         self._tok = tok
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.spm_space = spm_space
+        self._specials = set(tok.get_added_tokens_decoder())
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
@@ -131,17 +133,11 @@ class Tokenizer:
         ids = list(map(int, ids))
         if not self.spm_space:
             return self._tok.decode(ids, skip_special_tokens=skip_special)
-        special = self._special_ids()
-        first = next((i for i, t in enumerate(ids) if t not in special), None)
+        first = next((i for i, t in enumerate(ids) if t not in self._specials), None)
         if first is None or not self.token_bytes(ids[first]).startswith(b" "):
             return self._tok.decode(ids, skip_special_tokens=skip_special)
         head = self._tok.decode(ids[:first], skip_special_tokens=skip_special)
         return head + self._tok.decode(ids[first:], skip_special_tokens=skip_special)[1:]
-
-    def _special_ids(self) -> set[int]:
-        if not hasattr(self, "_specials"):
-            self._specials = set(self._tok.get_added_tokens_decoder())
-        return self._specials
 
     def piece(self, token_id: int) -> str:
         """One token's text as it continues a text (decode of it alone, but a SentencePiece

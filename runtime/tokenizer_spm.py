@@ -11,9 +11,9 @@ sentencepiece models), which the `tokenizers` package runs.
 from __future__ import annotations
 
 from .gguf_file import GGUFError, GGUFFile
+from .tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED
 
-SPACE = "\u2581"
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_BYTE = 1, 3, 4, 6
+SPACE = "\u2581"      # a space, in the pieces
 
 
 def spm_merges(pieces: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
