@@ -224,6 +224,22 @@ def mul_mat_emulated(raw: np.ndarray, qtype, shape, x: np.ndarray) -> np.ndarray
     return mul_mat_id_emulated(raw, qtype, (1, m, k), x, ids)[:, 0, :]
 
 
+# Hopper's f16 MMA rounds its float32 sums toward zero: the error of a k-long dot grows in
+# proportion to k, not to its square root, and its NMSE with k^2. A numpy model of that (f16
+# operands of random signs, one rounding toward zero a k16 step) gives 2.1e-11 at k = 2880,
+# 3.8e-11 at 4096 and 5.1e-10 at 14336 (rounding to nearest: 3e-13 at most); an H200 gave
+# 2.8e-10 at Mixtral's k = 14336, which the tuner's gate had refused under a flat bar.
+NMSE_EMULATED = 1e-10
+F16_EMULATED_K = 4096
+
+
+def nmse_emulated_bar(k: int, f16: bool) -> float:
+    """The bar of a kernel's NMSE against its own emulation: float32 accumulation error
+    only. The int8 paths sum exact integer block dots (one rounding a block); past
+    F16_EMULATED_K the f16 tiles' truncating accumulators are given room in k^2."""
+    return NMSE_EMULATED * max(1.0, (k / F16_EMULATED_K) ** 2) if f16 else NMSE_EMULATED
+
+
 def nmse(out, ref) -> float:
     out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     return float(np.sum((out - ref) ** 2) / max(np.sum(ref ** 2), 1e-300))

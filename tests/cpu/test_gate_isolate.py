@@ -116,3 +116,34 @@ def test_isolated_runner_survives_crash_hang_and_wrong_results():
             r.call({"op": "wrong"}, timeout=60)
         # a process that produced a wrong result is not trusted again
         assert r.call(TRIAL, timeout=60)["value"] == ok["value"] and r.spawned == 4
+
+
+def _truncating_dot(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Rows of w . x as Hopper's f16 MMA accumulates them: a k16 step's exact sum added to a
+    float32 accumulator rounded toward zero."""
+    acc = np.zeros(w.shape[0], dtype=np.float32)
+    for c in range(0, w.shape[1], 16):
+        s = (w[:, c:c + 16] * x[c:c + 16]).sum(axis=1) + acc
+        f = s.astype(np.float32)
+        over = np.abs(f.astype(np.float64)) > np.abs(s)
+        f[over] = np.nextafter(f[over], np.float32(0))
+        acc = f
+    return acc
+
+
+def test_the_f16_bar_grows_with_k_as_truncating_accumulators_do(rng):
+    """ref.nmse_emulated_bar: flat to 4096 and for the int8 paths; past it the f16 tiles'
+    bar admits a truncating float32 accumulator at Mixtral's k = 14336 (which the flat bar
+    refuses) and still refuses a lost k-block or a scale 1e-4 off."""
+    assert ref.nmse_emulated_bar(2048, True) == ref.nmse_emulated_bar(4096, True) == gate.NMSE_EMULATED
+    assert ref.nmse_emulated_bar(14336, False) == gate.NMSE_EMULATED
+    k = 14336
+    w = rng.standard_normal((48, k)).astype(np.float16).astype(np.float64)
+    x = rng.standard_normal(k).astype(np.float16).astype(np.float64)
+    exact = w @ x
+    e = ref.nmse(_truncating_dot(w, x), exact)
+    assert gate.NMSE_EMULATED < e <= ref.nmse_emulated_bar(k, True)
+    lost = w.copy()
+    lost[:, 4096:4128] = 0                       # one 32-weight block never added
+    assert ref.nmse(_truncating_dot(lost, x), exact) > 1e3 * ref.nmse_emulated_bar(k, True)
+    assert ref.nmse(exact * (1 + 1e-4), exact) > ref.nmse_emulated_bar(k, True)
