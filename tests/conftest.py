@@ -174,6 +174,17 @@ def assert_top1_and_kl(ref, got, bar=1e-3):
     assert kl.mean() < bar, f"mean KL {kl.mean():.2e} (max {kl.max():.2e})"
 
 
+F32_PARITY_BAR = 1e-4   # the numpy backend on F32 weights: max abs difference of the logits (their spread is ~1)
+
+
+def assert_f32_matches_llama_cpp(fx, got):
+    """A llama.cpp parity fixture of F32 weights against the numpy backend's logits: float32,
+    its shape, and elementwise within F32_PARITY_BAR."""
+    assert got.dtype == np.float32 and got.shape == fx["logits"].shape
+    err = np.abs(got - fx["logits"]).max()
+    assert err < F32_PARITY_BAR, f"max abs difference {err:.3e} vs llama.cpp"
+
+
 def assert_matches_llama_cpp(fx, got, float_weights: bool):
     """A llama.cpp parity fixture's bar (issue 4) on a model's logits got: float32, its
     shape, finite, the same top-1 at every position and mean KL < 1e-3; float weights also

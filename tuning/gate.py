@@ -74,7 +74,7 @@ class Reference:
     emulated: np.ndarray     # (len(tokens), top_k, len(rows)) float64
     exact: np.ndarray
     emulated_f16: np.ndarray | None  # the f16 path's own rounding; None: the type has no f16 tiles
-    k: int = 0                       # the products' length: the f16 emulation's bar grows with it
+    k: int                           # the products' length: the f16 emulation's bar grows with it
 
     def pick(self, out: np.ndarray) -> np.ndarray:
         """The checked part of a full (n, top_k, m) output."""

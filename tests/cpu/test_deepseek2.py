@@ -8,21 +8,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import assert_cache_consistent, error_after_rewrite, kl_per_token, rewrite
+from conftest import (F32_PARITY_BAR, assert_cache_consistent, assert_f32_matches_llama_cpp,
+                      assert_top1_and_kl, error_after_rewrite, rewrite)
 from moeforge.runtime.gguf_file import GGUFError
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, tensor_plan, write_model
-
-F32_BAR = 1e-4
 
 
 @pytest.mark.parametrize("name", ["ds-f32", "ds-qlora-f32"])
 def test_f32_matches_llama_cpp(parity_models, name):
     fx = parity_models[name]
     got = load_model(fx["path"], backend="numpy").logits(fx["tokens"])
-    assert got.dtype == np.float32 and got.shape == fx["logits"].shape
-    err = np.abs(got - fx["logits"]).max()
-    assert err < F32_BAR, f"max abs difference {err:.3e} vs llama.cpp"
+    assert_f32_matches_llama_cpp(fx, got)
 
 
 @pytest.mark.parametrize("name", ["ds-q8_0", "ds-q4_0"])
@@ -32,9 +29,7 @@ def test_quantized_close_to_llama_cpp(parity_models, name, numerics):
     0.3.36: 1.5e-4 to 1.9e-4, either numerics)."""
     fx = parity_models[name]
     got = load_model(fx["path"], backend="numpy", numerics=numerics).logits(fx["tokens"])
-    assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
-    kl = kl_per_token(fx["logits"], got).mean()
-    assert kl < 1e-3, f"mean KL {kl:.2e}"
+    assert_top1_and_kl(fx["logits"], got)
 
 
 CHANGES = {
@@ -62,7 +57,7 @@ def test_f32_fixture_depends_on_each_feature(parity_models, tmp_path, change):
             a[c["zero_rows"][1]:] = 0
         return [(name, a, t)]
     err = error_after_rewrite(parity_models["ds-f32"], tmp_path / "changed.gguf", tensors, c.get("kv"))
-    assert err > 100 * F32_BAR, f"{change}: max abs difference only {err:.2e}"
+    assert err > 100 * F32_PARITY_BAR, f"{change}: max abs difference only {err:.2e}"
 
 
 def test_kv_cache_consistency(parity_models):

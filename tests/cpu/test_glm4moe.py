@@ -6,12 +6,12 @@ the shared expert kept apart where its types differ, and what loading refuses.""
 import numpy as np
 import pytest
 
-from conftest import assert_cache_consistent, error_after_rewrite, kl_per_token, rewrite
+from conftest import (F32_PARITY_BAR, assert_cache_consistent, assert_f32_matches_llama_cpp,
+                      assert_top1_and_kl, error_after_rewrite, rewrite)
 from moeforge.runtime.gguf_file import GGUFError
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, tensor_plan
 
-F32_BAR = 1e-4
 QUANTIZED = ["glm-q8_0", "glm-q4_0", "glm-qk-q8_0"]
 
 
@@ -19,9 +19,7 @@ QUANTIZED = ["glm-q8_0", "glm-q4_0", "glm-qk-q8_0"]
 def test_f32_matches_llama_cpp(parity_models, name):
     fx = parity_models[name]
     got = load_model(fx["path"], backend="numpy").logits(fx["tokens"])
-    assert got.dtype == np.float32 and got.shape == fx["logits"].shape
-    err = np.abs(got - fx["logits"]).max()
-    assert err < F32_BAR, f"max abs difference {err:.3e} vs llama.cpp"
+    assert_f32_matches_llama_cpp(fx, got)
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -31,9 +29,7 @@ def test_quantized_close_to_llama_cpp(parity_models, name, numerics):
     0.3.36: 1.2e-4 to 1.6e-4, either numerics)."""
     fx = parity_models[name]
     got = load_model(fx["path"], backend="numpy", numerics=numerics).logits(fx["tokens"])
-    assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
-    kl = kl_per_token(fx["logits"], got).mean()
-    assert kl < 1e-3, f"mean KL {kl:.2e}"
+    assert_top1_and_kl(fx["logits"], got)
 
 
 CHANGES = {
@@ -59,7 +55,7 @@ def test_f32_fixture_depends_on_each_feature(parity_models, tmp_path, change):
             a = np.zeros_like(a)
         return [(name, a, t)]
     err = error_after_rewrite(parity_models["glm-f32"], tmp_path / "changed.gguf", tensors, c.get("kv"))
-    assert err > 100 * F32_BAR, f"{change}: max abs difference only {err:.2e}"
+    assert err > 100 * F32_PARITY_BAR, f"{change}: max abs difference only {err:.2e}"
 
 
 def test_kv_cache_consistency(parity_models):
@@ -136,7 +132,7 @@ def test_prediction_block_is_optional(parity_models, tmp_path):
     fx = parity_models["glm-f32"]
     path = _bad(parity_models, tmp_path, drop="blk.3.nextn.eh_proj.weight")
     np.testing.assert_allclose(load_model(path, backend="numpy").logits(fx["tokens"][:8]), fx["logits"][:8],
-                               atol=F32_BAR, rtol=0)
+                               atol=F32_PARITY_BAR, rtol=0)
 
 
 @pytest.mark.parametrize("kv,match", [

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import kl_per_token
+from conftest import F32_PARITY_BAR, assert_f32_matches_llama_cpp, assert_top1_and_kl
 from moeforge.runtime.arch import HParams, YaRN
 from moeforge.runtime.backend_numpy import NumpyBackend
 from moeforge.runtime.gguf_file import GGUFError
@@ -18,7 +18,6 @@ from moeforge.runtime.prompt_attention import attention_tc
 from moeforge.synth import preset, write_model
 from test_model_load import rewrite
 
-F32_BAR = 1e-4   # max abs difference of the logits, as for qwen3moe (test_model_parity)
 QUANTIZED = ["gpt-oss-q8_0", "gpt-oss-mxfp4_moe"]
 
 
@@ -39,9 +38,7 @@ def test_fixtures_exercise_window_yarn_and_both_layer_kinds(parity_models):
 def test_f32_matches_llama_cpp(parity_models):
     fx = parity_models["gpt-oss-f32"]
     got = load_model(fx["path"], backend="numpy").logits(fx["tokens"])
-    assert got.dtype == np.float32 and got.shape == fx["logits"].shape
-    err = np.abs(got - fx["logits"]).max()
-    assert err < F32_BAR, f"max abs difference {err:.3e} vs llama.cpp"
+    assert_f32_matches_llama_cpp(fx, got)
 
 
 @pytest.mark.parametrize("change", ["no window", "no yarn", "no sinks", "no biases"])
@@ -61,7 +58,7 @@ def test_f32_fixture_depends_on_each_feature(parity_models, tmp_path, change):
     path = rewrite(fx["path"], str(tmp_path / "changed.gguf"), tensors=tensors, kv=lambda k, v, t: kv.get(k, v))
     got = load_model(path, backend="numpy").logits(fx["tokens"])
     err = np.abs(got - fx["logits"]).max()
-    assert err > 100 * F32_BAR, f"{change}: max abs difference only {err:.2e}"
+    assert err > 100 * F32_PARITY_BAR, f"{change}: max abs difference only {err:.2e}"
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -72,16 +69,14 @@ def test_quantized_close_to_llama_cpp(parity_models, name, numerics):
     0.3.16: 1.2e-4 for q8_0, 1.1e-4 for mxfp4_moe, either numerics)."""
     fx = parity_models[name]
     got = load_model(fx["path"], backend="numpy", numerics=numerics).logits(fx["tokens"])
-    assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
-    kl = kl_per_token(fx["logits"], got).mean()
-    assert kl < 1e-3, f"mean KL {kl:.2e}"
+    assert_top1_and_kl(fx["logits"], got)
 
 
 def test_ubatches_do_not_change_logits(parity_models):
     """Ubatches of 7 tokens: the window and the sinks hold across ubatch edges."""
     fx = parity_models["gpt-oss-f32"]
     m = load_model(fx["path"], backend="numpy", n_ubatch=7)
-    np.testing.assert_allclose(m.logits(fx["tokens"]), fx["logits"], atol=F32_BAR, rtol=0)
+    np.testing.assert_allclose(m.logits(fx["tokens"]), fx["logits"], atol=F32_PARITY_BAR, rtol=0)
 
 
 # -- loading ------------------------------------------------------------------------------------

@@ -5,21 +5,18 @@ and what loading refuses."""
 import numpy as np
 import pytest
 
-from conftest import assert_cache_consistent, kl_per_token, rewrite
+from conftest import (F32_PARITY_BAR, assert_cache_consistent, assert_f32_matches_llama_cpp,
+                      assert_top1_and_kl, rewrite)
 from moeforge.runtime import arch_llama
 from moeforge.runtime.gguf_file import GGUFError, TensorRef
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, tensor_plan
 
-F32_BAR = 1e-4
-
 
 def test_f32_matches_llama_cpp(parity_models):
     fx = parity_models["mix-f32"]
     got = load_model(fx["path"], backend="numpy").logits(fx["tokens"])
-    assert got.dtype == np.float32 and got.shape == fx["logits"].shape
-    err = np.abs(got - fx["logits"]).max()
-    assert err < F32_BAR, f"max abs difference {err:.3e} vs llama.cpp"
+    assert_f32_matches_llama_cpp(fx, got)
 
 
 @pytest.mark.parametrize("name", ["mix-q8_0", "mix-q4_0"])
@@ -29,9 +26,7 @@ def test_quantized_close_to_llama_cpp(parity_models, name, numerics):
     0.3.36: 6e-5 to 8e-5, either numerics)."""
     fx = parity_models[name]
     got = load_model(fx["path"], backend="numpy", numerics=numerics).logits(fx["tokens"])
-    assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
-    kl = kl_per_token(fx["logits"], got).mean()
-    assert kl < 1e-3, f"mean KL {kl:.2e}"
+    assert_top1_and_kl(fx["logits"], got)
 
 
 def test_without_the_permutation_the_pairs_are_neox_and_wrong(parity_models, monkeypatch):
@@ -39,7 +34,7 @@ def test_without_the_permutation_the_pairs_are_neox_and_wrong(parity_models, mon
     monkeypatch.setattr(arch_llama, "norm_to_neox_rows", lambda t, n_heads, head_dim: t)
     fx = parity_models["mix-f32"]
     err = np.abs(load_model(fx["path"], backend="numpy").logits(fx["tokens"]) - fx["logits"]).max()
-    assert err > 100 * F32_BAR, f"max abs difference only {err:.2e}"
+    assert err > 100 * F32_PARITY_BAR, f"max abs difference only {err:.2e}"
 
 
 @pytest.mark.parametrize("qtype", ["f32", "q8_0"])

@@ -3,18 +3,15 @@ scripts/make_parity_fixtures.py), and the graph's own consistency."""
 import numpy as np
 import pytest
 
-from conftest import assert_cache_consistent, kl_per_token
+from conftest import (F32_PARITY_BAR, assert_cache_consistent, assert_f32_matches_llama_cpp,
+                      assert_top1_and_kl)
 from moeforge.runtime.model import load_model
-
-F32_BAR = 1e-4   # max abs difference of the logits (their spread is ~1)
 
 
 def test_f32_matches_llama_cpp(parity_models):
     fx = parity_models["f32"]
     got = load_model(fx["path"], backend="numpy").logits(fx["tokens"])
-    assert got.dtype == np.float32 and got.shape == fx["logits"].shape
-    err = np.abs(got - fx["logits"]).max()
-    assert err < F32_BAR, f"max abs difference {err:.3e} vs llama.cpp"
+    assert_f32_matches_llama_cpp(fx, got)
 
 
 @pytest.mark.parametrize("name", ["f16", "q8_0", "q4_0", "q4_0-tied", "q4_K", "q4_K_M"])
@@ -26,9 +23,7 @@ def test_low_precision_close_to_llama_cpp(parity_models, name, numerics):
     (mean KL 1.5e-4 float, 2.2e-4 kernel numerics; 1.7e-4 and 2.4e-4 when they ran as q8_0)."""
     fx = parity_models[name]
     got = load_model(fx["path"], backend="numpy", numerics=numerics).logits(fx["tokens"])
-    assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
-    kl = kl_per_token(fx["logits"], got).mean()
-    assert kl < 1e-3, f"mean KL {kl:.2e}"
+    assert_top1_and_kl(fx["logits"], got)
 
 
 @pytest.mark.parametrize("name", ["f32", "q4_0"])
@@ -41,12 +36,10 @@ def test_f16_cache_close_to_llama_cpp(parity_models, name):
     m = load_model(fx["path"], backend="numpy", cache_type="f16")
     got = m.logits(fx["tokens"])
     assert m.cache.dtype == np.float16
-    assert (got.argmax(-1) == fx["logits"].argmax(-1)).all()
-    kl = kl_per_token(fx["logits"], got).mean()
-    assert kl < 1e-3, f"mean KL {kl:.2e}"
+    assert_top1_and_kl(fx["logits"], got)
     if name == "f32":
         err = np.abs(got - fx["logits"]).max()
-        assert F32_BAR < err < 1e-2, f"max abs difference {err:.3e} vs llama.cpp"
+        assert F32_PARITY_BAR < err < 1e-2, f"max abs difference {err:.3e} vs llama.cpp"
 
 
 def test_kv_cache_consistency(parity_models):
@@ -60,7 +53,7 @@ def test_kv_cache_consistency(parity_models):
 def test_ubatches_do_not_change_logits(parity_models):
     fx = parity_models["f32"]
     m = load_model(fx["path"], backend="numpy", n_ubatch=7)
-    np.testing.assert_allclose(m.logits(fx["tokens"]), fx["logits"], atol=F32_BAR, rtol=0)
+    np.testing.assert_allclose(m.logits(fx["tokens"]), fx["logits"], atol=F32_PARITY_BAR, rtol=0)
 
 
 def test_the_default_ubatch_is_the_backends_and_smaller_where_all_logits_return(parity_models, monkeypatch):
