@@ -8,6 +8,7 @@ from itertools import product
 from .quant import QuantType
 from .spec import KernelSpec, MmfSpec, MmqSpec, MmvqSpec, ModelSpec, UtilSpec
 
+FAMILIES = tuple(c.family for c in (MmqSpec, MmvqSpec, MmfSpec, ModelSpec, UtilSpec))
 MMQ_X = (8, 16, 32, 64, 128)
 MMQ_X_DENSE = (16, 32, 64, 128)   # dense products take the mmq path only past 8 tokens
 MMQ_YW = ((64, 4), (96, 3), (96, 6), (128, 4), (128, 8))

@@ -26,12 +26,13 @@ def _one(job):
 
 def generate(types: list[QuantType], archs=ARCHS, build_dir: Path | None = None,
              jobs: int | None = None, progress: bool = True, out=sys.stdout,
-             subset: dict | None = None) -> dict:
+             subset: dict | None = None, families: tuple[str, ...] | None = None) -> dict:
     """subset {arch: specs}: build only those for that architecture (the tests' plan for
-    architectures that compile another's code path); the others get every instance."""
+    architectures that compile another's code path); the others get every instance.
+    families: only the instances of those kernel families (mmq, mmvq, mmf, model, util)."""
     from tqdm import tqdm
     build_dir = Path(build_dir) if build_dir else default_build_dir()
-    specs = all_specs(types)
+    specs = [s for s in all_specs(types) if families is None or s.family in families]
     subset = subset or {}
     work = [(s, a, build_dir) for a in archs for s in subset.get(a, specs)]
     jobs = jobs or os.cpu_count() or 1

@@ -14,7 +14,17 @@ def _cmd_generate(args) -> int:
         if a not in ARCHS:
             print(f"moeforge generate: unknown architecture {a!r}; choose from {', '.join(ARCHS)}", file=sys.stderr)
             return 2
-    summary = generate(parse_types(args.types), archs, args.out, jobs=args.jobs, progress=not args.quiet)
+    families = None
+    if args.families:
+        from .codegen.enumerate import FAMILIES
+        families = tuple(f.strip() for f in args.families.split(","))
+        for f in families:
+            if f not in FAMILIES:
+                print(f"moeforge generate: unknown kernel family {f!r}; choose from {', '.join(FAMILIES)}",
+                      file=sys.stderr)
+                return 2
+    summary = generate(parse_types(args.types), archs, args.out, jobs=args.jobs, progress=not args.quiet,
+                       families=families)
     return 1 if summary["failures"] else 0
 
 
@@ -30,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="render and compile every kernel instance (no GPU needed)")
     g.add_argument("--types", default="all", help="quant types, comma separated (default: all)")
     g.add_argument("--arch", default=None, help="architectures, e.g. sm_90 (default: sm_80,sm_86,sm_89,sm_90)")
+    g.add_argument("--families", default=None,
+                   help="kernel families, comma separated: mmq (int8 tiles), mmvq (mat-vecs), mmf (f16 "
+                        "tiles), model, util (default: all)")
     g.add_argument("--out", default=None, help="build directory (default: build/ of the checkout)")
     g.add_argument("--jobs", type=int, default=None, help="parallel compiler processes (default: CPU count)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -185,7 +185,8 @@ def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool | 
     """Tile width from the tokens each expert receives, not from the batch: with 128
     experts and 128 tokens x top-8, each expert sees ~8 tokens and a 64-wide tile would
     be mostly empty (where llama.cpp loses most of its time). Twice the mean leaves room
-    for the experts above it; the H100 sweep found no gain from stream-k for MoE tiles.
+    for the experts above it; the H100 sweep found no gain from stream-k for MoE tiles
+    (Qwen3's, many waves; below one wave it gains: default_mul_mat_id).
     Dense products (one "expert", regular tiles) keep stream-k for their last wave.
     Past 16 tokens a tile is 32 wide: H100, same call, hot (BENCHMARKS.md), 64-wide tiles
     against 32 (y128, 4 warps, 8 k-blocks, 2 stages): dense 4096x2048 n=512 q8_0 116.6 ->
@@ -201,7 +202,14 @@ def default_mmq(qtype: str, tokens_per_tile: float, ids: bool, stream_k: bool | 
 
 # The f16 tensor-core path where it was measured to win on the H100 (mmf_choice).
 # MOEFORGE_MMF=0 turns it off (the int8 tiles of the profile or the defaults run).
-MMF_MIN_DENSE_TOKENS = 512
+# Dense products from 128 tokens: the rule's wide tile, k split up to 4 ways, against the
+# default int8 tile (x32y128, stream-k), H200, weights rotated past the L2, random inputs
+# (scripts/product_ab.py dense-f16, BENCHMARKS.md "Dense f16 tiles from 128 tokens"), the
+# attention products of Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b and DeepSeek-V2-Lite, q4_0
+# and q8_0: at 128 tokens 0.52-0.84x the int8 time (Qwen3's qkv 35.2 -> 25.0 us, attn_out
+# 38.7 -> 27.8), at 256 0.59-0.85x; at 64 tokens 0.69-0.96x but Mixtral's 6144-row qkv 1.11
+# and 1.20x and gpt-oss's q8_0 qkv 1.10x (the 128-token tile three-quarters empty).
+MMF_MIN_DENSE_TOKENS = 128
 MMF_WIDE_TILE = (128, 128, 4, 4, 2)   # x, y, warps, kblocks, stages
 MMF_MAX_SPLITS = 4
 MMF_MIN_TOKENS_PER_EXPERT = 256
@@ -271,7 +279,7 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     """The f16 tiles in place of any int8 choice, profile or default, where they won every
     measured case: on sm_90 (f16 mma.sync runs at half the int8 rate there, but MMQ spends
     ~27 issued instructions per int8 mma on per-block scale arithmetic and never gets near
-    that rate), dense products from 512 tokens and expert products from 256 tokens an
+    that rate), dense products from 128 tokens and expert products from 256 tokens an
     expert. Tiles of 128 tokens; a dense product with fewer than two tiles an SM splits k
     over up to 4 blocks a tile (mmf_dense_splits; m None: no split). H100, hot, against the
     64-token tiles of 8 warps this rule chose below 2048 tokens before (BENCHMARKS.md):
@@ -367,11 +375,31 @@ def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int, f1
                     lambda: default_mul_mat_id(qtype, E, top_k, m, k, n), f16, lambda: mmf_choice(qtype, n, n * top_k / E))
 
 
+# Expert tiles of the mean routing fewer than this many an SM: MMQ-ID with stream-k. Below
+# one wave (these 4-warp tiles run 2-4 an SM) SMs sit idle for a tile's whole k unless its
+# k is shared out. H200, q4_0, default tile with and without stream-k, random and skewed
+# routing (scripts/product_ab.py streamk, BENCHMARKS.md "MoE stream-k below one wave"):
+# Mixtral-8x7B's down (8 experts x 32 row tiles, k = 14336) at 16, 32, 64 and 128 tokens
+# 150.6 -> 94.3, 206.8 -> 125.2, 236.5 -> 180.7, 239.0 -> 230.7 us. Above one wave most
+# products lose (gpt-oss-20b's down at 1.4 waves +8-13%, Qwen3's and DeepSeek-V2-Lite's at
+# 1.9-8 waves +6-30%); Mixtral's gate/up gained 3-10% at 3.4-4.5 waves, one product alone.
+MMQ_ID_STREAM_K_TILES_PER_SM = 2
+
+
+def moe_tiles(E: int, top_k: int, m: int, n: int, x: int, y: int) -> int:
+    """An expert product's tiles when every expert chosen gets the mean count of tokens."""
+    used = min(E, n * top_k)
+    return used * -(-(n * top_k) // (used * x)) * -(-m // y)
+
+
 def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
     """The choice without any profile: the tuner's baseline, enqueued first."""
     if n <= MMVQ_MAX_TOKENS:
         return Choice("mmvq", default_mmvq(qtype, n, ids=True))
-    return Choice("mmq_id", default_mmq(qtype, n * top_k / E, ids=True))
+    spec = default_mmq(qtype, n * top_k / E, ids=True)
+    if moe_tiles(E, top_k, m, n, spec.x, spec.y) < MMQ_ID_STREAM_K_TILES_PER_SM * device_sm_count():
+        spec = replace(spec, stream_k=True)
+    return Choice("mmq_id", spec)
 
 
 def choose_mul_mat(qtype: str, m: int, k: int, n: int, f16: bool = True) -> Choice:

@@ -49,10 +49,9 @@ def generated(tmp_path_factory):
 
 
 FULL_ARCHS = ("sm_80", "sm_90")   # the templates' two code paths (see compile_plan)
-SAMPLE_EVERY = 12       # sm_80's share of the instances beyond its branch signatures
-SUPER_TILE_EVERY = 6    # sm_90's share of the super-block and codebook formats' int8 tiles beyond those
-MATVEC_EVERY = 4        # sm_90's share of the mat-vecs beyond those
-OTHER_ARCH_EVERY = 32   # sm_86's and sm_89's: sm_80's code under another target
+TILE_EVERY = 17         # sm_90's share of the int8 tiles and mat-vecs beyond the branch signatures and named ones
+SAMPLE_EVERY = 53       # sm_80's share of the instances beyond its branch signatures
+OTHER_ARCH_EVERY = 199  # sm_86's and sm_89's: sm_80's code under another target
 TILE_SIZES = ("x", "y", "warps", "kblocks", "stages", "tokens", "rows")
 
 
@@ -65,21 +64,30 @@ def branch_signature(spec) -> tuple:
             *((k, v) for k, v in fields.items() if k not in TILE_SIZES))
 
 
+def form_signature(spec) -> tuple:
+    """A branch signature without the quant format: the formats' traits have no architecture
+    branch and the int8 tiles' and mat-vecs' only one is PDL's instructions (test_codegen
+    checks both), so one format of each form carries sm_80's path."""
+    return tuple(f for f in branch_signature(spec) if not (isinstance(f, tuple) and f[0] == "qtype"))
+
+
 def compile_plan() -> dict:
     """{arch: instances} the compile test builds. The templates branch on __CUDA_ARCH__ >= 800
     and >= 900 only (test_codegen checks that), so sm_90 and sm_80 carry every code path; the
     tile sizes (x, y, warps, kblocks, stages; a mat-vec's tokens and rows) are #defines the
-    branches are written over. Both build one instance of every branch signature and every
-    instance a shipped profile or the dispatch defaults name. Beyond those, sm_90 builds every
-    f16 tile and model instance, every int8 tile of the 32-weight formats, a fixed sixth of
-    the super-block and codebook formats' (q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs, mxfp4: 280
-    each, the slowest to compile) and a fixed quarter of the mat-vecs (q8_0's all); sm_80 the
-    f16 tiles and model instances of the 32-weight formats and a fixed twelfth of the rest; sm_86
-    and sm_89, which compile sm_80's path, a fixed 32nd. With every instance on sm_90 the test
-    took ~21 of CI's 27 minutes on 2 cores once q5_K's 636 instances came; with every
-    mat-vec on sm_90 and sm_80's 32-weight ones, CI took 27 again once gpt-oss came; q3_K and
-    q2_K (~600 instances each) came with a quarter of the tiles, half of the mat-vecs and an
-    eighth of sm_80's rest sampled before, and would have taken CI past 30 minutes."""
+    branches are written over. Both build every instance the dispatch defaults name. sm_90
+    builds one instance of every branch signature, those the shipped profiles name (all of
+    them made on sm_90 cards), every f16 tile and model instance, and a fixed 17th of the
+    other int8 tiles and mat-vecs (a stride prime to the enumeration's tile-size axes, so
+    every size of every axis is compiled: test_codegen checks it); sm_80 one instance of
+    every form (form_signature), the f16 tiles and model instances of the 32-weight formats
+    and a fixed 53rd of the rest; sm_86 and sm_89, which compile sm_80's path, a fixed 199th.
+    Why samples: CI has 2 cores and ~30 minutes. With every int8 tile of q4_0 and q8_0 and a
+    sixth of the others' on sm_90, CI took 46 to 53 minutes (2026-11-30), ~40 of them here;
+    a plan of a seventh and a 23rd still took 20.5 of a 29-minute run (39 core-minutes:
+    compiled one at a time, an sm_90 int8 tile 0.9 s, a mat-vec 0.31, an f16 tile 1.35; an
+    sm_80 int8 tile 1.53, a mat-vec 0.17; a model module ~35; two processes on 2 cores run
+    each ~1.45x slower than alone)."""
     from moeforge.codegen.compile import ARCHS
     from moeforge.codegen.enumerate import all_specs
     from moeforge.codegen.quant import parse_types
@@ -87,31 +95,37 @@ def compile_plan() -> dict:
     cheap32 = [s for s in specs if not isinstance(s, (MmqSpec, MmvqSpec))
                and (not hasattr(s, "quant") or s.quant.sub_blocks == 1)]
     one_each = list({branch_signature(s): s for s in reversed(specs)}.values())
-    super_tiles = [s for s in specs if isinstance(s, MmqSpec) and (s.quant.sub_blocks > 1 or s.quant.codebook)]
-    # q8_0's whole on sm_90: test_cli's generate command finds every q8_0 sm_90 instance cached
-    matvecs = [s for s in specs if isinstance(s, MmvqSpec) and s.qtype != "q8_0"]
-    kept = _named_specs() | set(one_each) | set(super_tiles[::SUPER_TILE_EVERY]) | set(matvecs[::MATVEC_EVERY])
-    sampled = (set(super_tiles) | set(matvecs)) - kept
-    sm90 = [s for s in specs if s not in sampled]
+    one_form = list({form_signature(s): s for s in reversed(specs)}.values())
+    sampled = [s for s in specs if isinstance(s, (MmqSpec, MmvqSpec))]
+    kept = _named_specs() | _profile_specs() | set(one_each) | set(sampled[::TILE_EVERY])
+    sm90 = [s for s in specs if s in kept or not isinstance(s, (MmqSpec, MmvqSpec))]
     named = [s for s in specs if s in _named_specs()]
-    sm80 = list(dict.fromkeys(cheap32 + one_each + named + specs[::SAMPLE_EVERY]))
+    sm80 = list(dict.fromkeys(cheap32 + one_form + named + specs[::SAMPLE_EVERY]))
     return {a: sm90 if a == "sm_90" else sm80 if a == "sm_80" else specs[::OTHER_ARCH_EVERY] for a in ARCHS}
 
 
 @functools.lru_cache(maxsize=1)
-def _named_specs() -> frozenset:
-    """The instances a shipped profile names or the dispatch defaults choose: int8 tiles of 1
-    to 256 tokens an expert (dense and MoE) and the mat-vecs of 1 to 8 tokens, plain and
-    fused, with the widths of the models' products."""
-    from moeforge.codegen.quant import QUANT_TYPES
-    from moeforge.runtime import dispatch
+def _profile_specs() -> frozenset:
+    """The instances the shipped profiles name (each made on an sm_90 card)."""
     from moeforge.tuning.paths import shipped_profiles
     from moeforge.tuning.profile import load
-    out = {e.spec for path in shipped_profiles() for e in load(path).entries.values()}
+    return frozenset(e.spec for path in shipped_profiles() for e in load(path).entries.values())
+
+
+@functools.lru_cache(maxsize=1)
+def _named_specs() -> frozenset:
+    """The instances the dispatch defaults choose on any card: int8 tiles of 1 to 256 tokens
+    an expert (dense and MoE) and the mat-vecs of 1 to 8 tokens, plain and fused, with the
+    widths of the models' products."""
+    from moeforge.codegen.quant import QUANT_TYPES
+    from moeforge.runtime import dispatch
+    out = set()
     for q in QUANT_TYPES:
         for per_tile in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             out.add(dispatch.default_mmq(q, per_tile, ids=True))
             out.add(dispatch.default_mmq(q, per_tile, ids=False))
+        for per_tile in (1, 4, 16):     # the expert tiles of stream-k below one wave (default_mul_mat_id)
+            out.add(dispatch.default_mmq(q, per_tile, ids=True, stream_k=True))
         for n in range(1, 9):
             for ids in (True, False):
                 out.add(dispatch.default_mmvq(q, n, ids))
@@ -238,6 +252,30 @@ def first_near_tie(gaps, n_routed: int, below: float) -> int:
     per_pos = np.concatenate([np.min(gaps[i:i + n_routed], axis=0) for i in range(0, len(gaps), n_routed)])
     near = np.nonzero(per_pos < below)[0]
     return int(near[0]) if len(near) else len(per_pos)
+
+
+def decode_on_cuda_and_emulation(path, toks, prompt: int, knobs: dict, **load_kw):
+    """The logits of decode steps (toks[prompt:], one token a step) after a prompt of the
+    first `prompt` tokens: on the cuda backend with its attributes `knobs` set (the decode
+    graph checked captured), then on the numpy backend with the kernels' numerics, both with
+    warnings as errors. Returns (cuda logits, numpy logits, the numpy model)."""
+    import warnings
+    from moeforge.runtime.model import load_model
+    outs = []
+    for backend in ("cuda", "numpy"):
+        m = load_model(path, backend=backend, **load_kw, **({} if backend == "cuda" else {"numerics": "kernel"}))
+        if backend == "cuda":
+            for name, value in knobs.items():
+                assert hasattr(m.backend, name), name
+                setattr(m.backend, name, value)
+        m.reset(len(toks))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m.eval(toks[:prompt])
+            outs.append(np.concatenate([m.eval([t]) for t in toks[prompt:]]))
+        if backend == "cuda":
+            assert m.backend.graphs.captured("decode-grouped" if knobs.get("decode_attn_grouped") else "decode")
+    return outs[0], outs[1], m
 
 
 # a pick trailing ref's top-1 by less than this share of its logits' spread is a near tie

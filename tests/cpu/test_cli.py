@@ -36,18 +36,23 @@ def test_generate_rejects_unknown_arch_and_type():
     assert r.returncode == 2 and "sm_99" in r.stderr
     r = _moeforge("generate", "--types", "q3_x")
     assert r.returncode != 0 and "q3_x" in r.stderr
+    r = _moeforge("generate", "--families", "mmvq,mmx")
+    assert r.returncode == 2 and "mmx" in r.stderr and "mmvq" in r.stderr
 
 
 def test_generate_command_reuses_the_cache(generated):
-    """The command over a build directory that already holds every instance: all cache
-    hits (the compilation itself is checked by the codegen test that filled it)."""
+    """The command over a build directory that already holds every instance it asks for
+    (q8_0's f16 tiles on sm_90, conftest.compile_plan): all cache hits (the compilation
+    itself is checked by the codegen test that filled it), and only that family."""
     build_dir, _, _ = generated
-    r = _moeforge("generate", "--types", "q8_0", "--arch", "sm_90", "--out", str(build_dir), "--quiet")
+    r = _moeforge("generate", "--types", "q8_0", "--arch", "sm_90", "--families", "mmf",
+                  "--out", str(build_dir), "--quiet")
     assert r.returncode == 0, r.stderr
-    assert "sm_90" in r.stdout and "q8_0" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("sm_90")]
+    assert rows and {(row[1], row[2]) for row in rows} == {("mmf", "q8_0")}
     total = [line for line in r.stdout.splitlines() if line.endswith(str(build_dir))][0]
     n, cached = total.split()[0], total.split("(")[1].split()[0]
-    assert n == cached and int(n) > 100
+    assert n == cached and int(n) > 10
 
 
 def test_products_without_gpu_raise_a_clear_error():

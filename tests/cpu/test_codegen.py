@@ -82,20 +82,27 @@ def test_compile_cache_is_keyed_by_source(tmp_path):
 
 
 def test_generate_compiles_every_instance(generated):
-    """For sm_90 the whole space but samples of the mat-vecs and of the super-block and codebook
-    formats' int8 tiles; for sm_80 every branch signature of the templates; on both, every
-    instance the profiles and defaults name; fixed samples otherwise (conftest.compile_plan),
-    NVRTC only (no GPU, no toolkit)."""
-    from conftest import FULL_ARCHS, _named_specs, branch_signature, compile_plan
+    """For sm_90 and sm_80 every branch signature of the templates and every instance the
+    dispatch defaults name; on sm_90 also every instance a shipped profile names, every f16
+    tile and model module, and samples of the int8 tiles and mat-vecs that still compile
+    every size of every tile axis; fixed samples otherwise (conftest.compile_plan), NVRTC
+    only (no GPU, no toolkit)."""
+    from conftest import FULL_ARCHS, _named_specs, _profile_specs, branch_signature, compile_plan, form_signature
     build_dir, summary, table = generated
     assert summary["failures"] == [], summary["failures"][:3]
     plan = compile_plan()
     assert summary["total"] == sum(len(v) for v in plan.values())
-    sampled = {s for s in SPECS if isinstance(s, MmvqSpec) and s.qtype != "q8_0"
-               or isinstance(s, MmqSpec) and (s.quant.sub_blocks > 1 or s.quant.codebook)}
-    assert set(SPECS) - sampled <= set(plan["sm_90"]) and len(plan["sm_90"]) == len(set(plan["sm_90"]))
+    sm90 = set(plan["sm_90"])
+    assert len(plan["sm_90"]) == len(sm90)
+    assert {s for s in SPECS if not isinstance(s, (MmqSpec, MmvqSpec))} | _profile_specs() <= sm90
+    for family in (MmqSpec, MmvqSpec):
+        for axis in ("x", "y", "warps", "kblocks", "stages", "tokens", "rows"):
+            every = {getattr(s, axis) for s in SPECS if isinstance(s, family) and hasattr(s, axis)}
+            assert every == {getattr(s, axis) for s in sm90 if isinstance(s, family) and hasattr(s, axis)}, \
+                (family.__name__, axis)
+    assert {branch_signature(s) for s in SPECS} == {branch_signature(s) for s in sm90}
+    assert {form_signature(s) for s in SPECS} == {form_signature(s) for s in plan["sm_80"]}
     for arch in FULL_ARCHS:
-        assert {branch_signature(s) for s in SPECS} == {branch_signature(s) for s in plan[arch]}
         assert _named_specs() <= set(plan[arch]), arch
     for arch in ARCHS:
         assert len(list((build_dir / arch).glob("*.cubin"))) == len(set(plan[arch])), arch
@@ -117,11 +124,21 @@ def test_templates_have_only_the_code_paths_the_compile_test_covers():
         assert not re.search(r"__CUDA_ARCH__\s*(==|<|>(?!=)|<=)", f.read_text()), f.name
     assert found == {800, 900}
     assert {f"sm_{v // 10}" for v in found} == set(FULL_ARCHS)
-    # the super-block formats' traits: no architecture branch (sm_80 compiles a sample of them)
+    # the formats' traits: no architecture branch; the int8 tiles' and mat-vecs' branches hold
+    # PDL's instructions only: so sm_80 compiles each form in one format (conftest.form_signature)
     from moeforge.codegen.quant import QUANT_TYPES
     for q in QUANT_TYPES.values():
-        if q.sub_blocks > 1:
-            assert "__CUDA_ARCH__" not in (tdir / q.template).read_text(), q.template
+        assert "__CUDA_ARCH__" not in (tdir / q.template).read_text(), q.template
+    from conftest import form_signature
+    forms = {form_signature(s): s for s in SPECS if isinstance(s, (MmqSpec, MmvqSpec))}.values()
+    for spec in forms:
+        src = render(spec)
+        blocks = re.findall(r"#if __CUDA_ARCH__ >= 900\n(.*?)#endif", src, re.S)
+        assert src.count("__CUDA_ARCH__") == len(blocks), spec.name
+        for line in "\n".join(blocks).splitlines():
+            line = line.strip()
+            assert not line or line.startswith("//") or line.startswith('asm volatile("griddepcontrol.'), \
+                (spec.name, line)
 
 
 def test_every_default_decode_spec_is_generated():

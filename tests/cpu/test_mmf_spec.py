@@ -182,7 +182,9 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     monkeypatch.setattr(dispatch, "device_sm_count", lambda: 64)
     assert dispatch.choose_mul_mat("q4_0", 2048, 4096, 512).spec.splits == 2     # a smaller card
     assert dispatch.choose_mul_mat("q8_0", 2048, 4096, 2048).spec.x == 128
-    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 511).path != "mmf"
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 127).path != "mmf"
+    short = dispatch.choose_mul_mat("q4_0", 5120, 2048, 128)                  # dense from 128 tokens
+    assert short.path == "mmf" and short.spec.x == 128 and short.spec.splits == 3   # 40 tiles, 64 SMs
     assert dispatch.choose_mul_mat("q4_K", 5120, 2048, 512).spec.kblocks == 8      # whole super-blocks
     moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
     assert moe.path == "mmf_id" and moe.spec.ids and moe.spec.x == 128
@@ -219,7 +221,8 @@ def test_the_rules_tiles_are_generated(monkeypatch):
     for sms in (132, 114, 78, 46):      # H100 SXM, H100 PCIe, an L40S-sized and a small card
         monkeypatch.setattr(dispatch, "device_sm_count", lambda: sms)
         for qtype in MmfSpec.QTYPES:
-            for n, tpe, m in ((512, None, 2048), (512, None, 512), (512, None, 5120), (4096, None, 2048),
+            for n, tpe, m in ((128, None, 2048), (256, None, 6144), (512, None, 2048), (512, None, 512),
+                              (512, None, 5120), (4096, None, 2048),
                               (4096, 256.0, None), (8192, 1024.0, None)):
                 c = dispatch.mmf_choice(qtype, n, tpe, m)
                 assert c is not None and c.spec in built, c

@@ -260,6 +260,7 @@ def test_dispatch_uses_the_profile_through_the_hook(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEFORGE_PROFILE_DIR", str(tmp_path))
     monkeypatch.setattr(device, "has_gpu", lambda: True)
     monkeypatch.setattr(fpmod, "current", lambda dev=None: here)
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 132)   # the defaults' rules read it
     monkeypatch.setattr(activate, "active", lambda device=None, _orig=activate.active: _orig(device=0))
     activate.reset()
     try:

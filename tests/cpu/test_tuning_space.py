@@ -181,3 +181,23 @@ def test_f16_tiles_join_the_space_where_they_can_win():
     small = build(TuneKey("mul_mat_id", "q4_0", QWEN, 4096), smem_limit=64 * 1024)
     assert not any(c.path == "mmf_id" for c in small.choices)
     assert any(name.startswith("mmf_id:") and "shared memory" in why for name, why in small.pruned)
+
+
+MIXTRAL_DOWN = (8, 2, 4096, 14336)
+
+
+@pytest.mark.parametrize("n", [16, 32, 64, 128, 256, 1024])
+def test_expert_tiles_below_one_wave_take_stream_k(n, monkeypatch):
+    """Mixtral's down (8 experts x 32 row tiles of 128) stays under two tiles an SM of a
+    132-SM card up to 128 tokens: its default takes stream-k there and only there, and the
+    tuner can measure it; Qwen3's 128 experts never do, nor Mixtral's down on 64 SMs."""
+    from moeforge.runtime import dispatch
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 132)
+    key = TuneKey("mul_mat_id", "q4_0", MIXTRAL_DOWN, n)
+    d = default_choice(key)
+    assert d.path == "mmq_id" and d.spec.stream_k == (n <= 128)
+    assert dispatch.moe_tiles(*MIXTRAL_DOWN[:3], n, d.spec.x, d.spec.y) == (256 if n <= 128 else 512 if n == 256 else 1024)
+    assert build(key).lookup(params_of(d)) is not None
+    assert not default_choice(TuneKey("mul_mat_id", "q4_0", QWEN, n)).spec.stream_k
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 64)
+    assert not default_choice(key).spec.stream_k

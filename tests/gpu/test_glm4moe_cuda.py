@@ -4,13 +4,12 @@ routed experts plus the shared one a token (9 slots: past the fused one-token do
 product's 8), against the numpy backend that emulates the kernels: prompts in ubatches,
 decode steps in CUDA graphs (per-head and grouped attention), batches past decode sizes,
 a shared expert of another type kept apart."""
-import warnings
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from conftest import (assert_matches_emulation, assert_matches_llama_cpp, first_near_tie, kl_per_token,
+from conftest import (assert_matches_emulation, decode_on_cuda_and_emulation, assert_matches_llama_cpp, first_near_tie, kl_per_token,
                       record_router_gaps, rewrite, run_seed)
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
@@ -77,20 +76,9 @@ def test_decode_matches_emulation(mid_models, name, grouped, qk, monkeypatch):
             m.eval(toks[8:9])
         return
     gaps = record_router_gaps(monkeypatch)
-    outs = []
-    for backend in ("cuda", "numpy"):
-        m = load_model(paths[name, qk], backend=backend, **({} if backend == "cuda" else {"numerics": "kernel"}))
-        if backend == "cuda":
-            m.backend.decode_attn_grouped = grouped
-        m.reset(len(toks))
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            m.eval(toks[:64])
-            outs.append(np.concatenate([m.eval([t]) for t in toks[64:]]))
-        if backend == "cuda":
-            assert m.backend.graphs.captured("decode-grouped" if grouped else "decode")
+    got, ref, m = decode_on_cuda_and_emulation(paths[name, qk], toks, 64, {"decode_attn_grouped": grouped})
     exact = max(first_near_tie(gaps, m.hp.n_layer - m.hp.n_dense_lead, 1e-4) - 64, 0)
-    assert_matches_emulation(outs[0], outs[1], name, seed, exact)
+    assert_matches_emulation(got, ref, name, seed, exact)
 
 
 def test_batches_past_decode_sizes(mid_models, monkeypatch):

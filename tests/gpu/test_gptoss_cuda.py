@@ -2,12 +2,11 @@
 and SwiGLU-OAI experts, against the numpy backend that emulates the kernels, through every
 attention kernel (decode with and without splits, the three prompt kernels, cuBLAS's path),
 both cache types, prompts over several ubatches and decode past the window."""
-import warnings
 
 import numpy as np
 import pytest
 
-from conftest import assert_matches_emulation, assert_matches_llama_cpp, first_near_tie, record_router_gaps, run_seed
+from conftest import assert_matches_emulation, decode_on_cuda_and_emulation, assert_matches_llama_cpp, first_near_tie, record_router_gaps, run_seed
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
 
@@ -89,22 +88,11 @@ def test_decode_past_the_window(oss_models, splits, cache_type, grouped, monkeyp
     seed 40938917 had a gap of 2.5e-4 at prompt position 77, and every step attends to it)."""
     paths, toks, seed = oss_models
     gaps = record_router_gaps(monkeypatch)
-    outs = []
-    for backend in ("cuda", "numpy"):
-        m = load_model(paths["f32"], backend=backend, cache_type=cache_type,
-                       **({} if backend == "cuda" else {"numerics": "kernel"}))
-        if backend == "cuda":
-            m.backend.decode_attn_splits = splits
-            m.backend.decode_attn_grouped = grouped
-        m.reset(len(toks))
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            m.eval(toks[:100])
-            outs.append(np.concatenate([m.eval([t]) for t in toks[100:]]))
-        if backend == "cuda":
-            assert m.backend.graphs.captured("decode-grouped" if grouped else "decode")
+    got, ref, m = decode_on_cuda_and_emulation(paths["f32"], toks, 100, {"decode_attn_splits": splits,
+                                                                         "decode_attn_grouped": grouped},
+                                               cache_type=cache_type)
     exact_until = max(first_near_tie(gaps, m.hp.n_layer, 1e-3) - 100, 0) if cache_type == "f16" else None
-    assert_matches_emulation(outs[0], outs[1], "f32", seed, exact_until)
+    assert_matches_emulation(got, ref, "f32", seed, exact_until)
 
 
 def test_decode_matches_numpy_token_by_token(oss_models):

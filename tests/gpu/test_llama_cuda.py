@@ -3,13 +3,12 @@ fixtures, prompts and decode steps, and a model with Mixtral's head layout (128-
 8 query heads a key head, 8 experts top-2) against the numpy backend that emulates the
 kernels: the q and k rows permuted at load (NORM's pairs on the NEOX kernels), the RoPE
 launch without biases, prompts in ubatches, decode steps in CUDA graphs."""
-import warnings
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from conftest import (assert_matches_emulation, assert_matches_llama_cpp, first_near_tie, kl_per_token,
+from conftest import (assert_matches_emulation, decode_on_cuda_and_emulation, assert_matches_llama_cpp, first_near_tie, kl_per_token,
                       record_router_gaps, run_seed)
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
@@ -68,17 +67,6 @@ def test_decode_matches_emulation(mid_models, name, grouped, monkeypatch):
     group of a key head's 8."""
     paths, toks, seed = mid_models
     gaps = record_router_gaps(monkeypatch)
-    outs = []
-    for backend in ("cuda", "numpy"):
-        m = load_model(paths[name], backend=backend, **({} if backend == "cuda" else {"numerics": "kernel"}))
-        if backend == "cuda":
-            m.backend.decode_attn_grouped = grouped
-        m.reset(len(toks))
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            m.eval(toks[:48])
-            outs.append(np.concatenate([m.eval([t]) for t in toks[48:]]))
-        if backend == "cuda":
-            assert m.backend.graphs.captured("decode-grouped" if grouped else "decode")
+    got, ref, m = decode_on_cuda_and_emulation(paths[name], toks, 48, {"decode_attn_grouped": grouped})
     exact = max(first_near_tie(gaps, m.hp.n_layer, NEAR_TIE_GAP) - 48, 0)
-    assert_matches_emulation(outs[0], outs[1], name, seed, exact)
+    assert_matches_emulation(got, ref, name, seed, exact)

@@ -1,0 +1,117 @@
+"""One product, two choices, the tuner's own check and timing (tuning.objective: random and
+skewed routing, weights rotated past the L2, CUDA events, median): the A/B that decides a
+dispatch rule on the card at hand, with the tile count and waves each side runs.
+
+    python3 scripts/product_ab.py streamk [--types q4_0] [--n 16,32,...]
+        the expert products' default int8 tile against the same tile with stream-k
+    python3 scripts/product_ab.py dense-f16 [--types q4_0,q8_0] [--n 64,128,256,512]
+        the dense products' default int8 tile against the f16 tile the rule takes from 512
+"""
+import argparse
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from moeforge.runtime import dispatch
+from moeforge.runtime.dispatch import Choice
+from moeforge.tuning.objective import Case, Settings, check, measure, preflight
+from moeforge.tuning.space import TuneKey
+
+# (model, product): (E, top_k, m, k); gate and up merged, as the runtime runs them
+EXPERTS = {
+    ("mixtral-8x7b", "gate_up"): (8, 2, 28672, 4096), ("mixtral-8x7b", "down"): (8, 2, 4096, 14336),
+    ("gpt-oss-20b", "gate_up"): (32, 4, 5760, 2880), ("gpt-oss-20b", "down"): (32, 4, 2880, 2880),
+    ("deepseek-v2-lite", "gate_up"): (64, 6, 2816, 2048), ("deepseek-v2-lite", "down"): (64, 6, 2048, 1408),
+    ("qwen3-30b-a3b", "gate_up"): (128, 8, 1536, 2048), ("qwen3-30b-a3b", "down"): (128, 8, 2048, 768),
+}
+DENSE = {
+    ("qwen3-30b-a3b", "qkv"): (5120, 2048), ("qwen3-30b-a3b", "attn_out"): (2048, 4096),
+    ("mixtral-8x7b", "qkv"): (6144, 4096), ("mixtral-8x7b", "attn_out"): (4096, 4096),
+    ("gpt-oss-20b", "qkv"): (5120, 2880), ("gpt-oss-20b", "attn_out"): (2880, 4096),
+    ("deepseek-v2-lite", "attn_out"): (2048, 2048),
+}
+
+
+def waves(choice: Choice, key: TuneKey, sm_count: int, blocks_per_sm: int) -> tuple[int, float]:
+    """Tiles of the mean routing (every expert with its mean count of tokens) and the waves
+    they take at the instance's blocks an SM."""
+    E, top_k, m, _ = key.shape
+    s = choice.spec
+    if key.op == "mul_mat_id":
+        used = min(E, key.n * top_k)
+        tiles = used * math.ceil(key.n * top_k / used / s.x) * math.ceil(m / s.y)
+    else:
+        tiles = math.ceil(key.n / s.x) * math.ceil(m / s.y) * getattr(s, "splits", 1)
+    return tiles, tiles / (sm_count * blocks_per_sm)
+
+
+def run(pairs, out_rows, rng) -> None:
+    sm = dispatch.device_sm_count()
+    print(f"{'model':<17} {'product':<8} {'type':<5} {'n':>5}  {'A':<28} {'tiles':>6} {'waves':>6} {'us':>8}  "
+          f"{'B':<28} {'tiles':>6} {'waves':>6} {'us':>8}  {'B/A':>5}", flush=True)
+    held = None      # (op, type, shape), weights: consecutive n of one product share them
+    for (model, prod, key), a, b in pairs:
+        same = held is not None and held[0] == (key.op, key.qtype, key.shape)
+        case = Case(key, Settings(), rng, held[1] if same else None)
+        held = (key.op, key.qtype, key.shape), (case.raw, case.weights)
+        row = dict(model=model, product=prod, qtype=key.qtype, n=key.n, shape=key.shape)
+        cells = []
+        for tag, c in (("a", a), ("b", b)):
+            info = preflight(c)
+            check(case, c)
+            us = measure(case, c)["value"]
+            tiles, w = waves(c, key, sm, info["blocks_per_sm"])
+            row.update({f"{tag}_spec": c.spec.name, f"{tag}_us": us, f"{tag}_tiles": tiles, f"{tag}_waves": w})
+            cells.append(f"{c.spec.name:<28} {tiles:>6} {w:>6.2f} {us:>8.1f}")
+        out_rows.append(row)
+        print(f"{model:<17} {prod:<8} {key.qtype:<5} {key.n:>5}  {cells[0]}  {cells[1]}  "
+              f"{row['b_us'] / row['a_us']:>5.2f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("streamk", "dense-f16"))
+    ap.add_argument("--types", default="q4_0")
+    ap.add_argument("--n", default=None)
+    ap.add_argument("--models", default=None, help="comma separated (default: all)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    types = a.types.split(",")
+    models = a.models.split(",") if a.models else None
+    pairs = []
+    if a.mode == "streamk":
+        ns = [int(v) for v in (a.n or "16,32,64,128,256,512").split(",")]
+        for (model, prod), shape in EXPERTS.items():
+            if models and model not in models:
+                continue
+            for q in types:
+                for n in ns:
+                    key = TuneKey("mul_mat_id", q, shape, n)
+                    base = dispatch.default_mul_mat_id(q, *shape, n)
+                    if base.path != "mmq_id":
+                        continue
+                    sk = dataclasses.replace(base.spec, stream_k=not base.spec.stream_k)
+                    pairs.append(((model, prod, key), base, Choice("mmq_id", sk)))
+    else:
+        ns = [int(v) for v in (a.n or "64,128,256,512").split(",")]
+        sm = dispatch.device_sm_count()
+        for (model, prod), (m, k) in DENSE.items():
+            if models and model not in models:
+                continue
+            for q in types:
+                for n in ns:
+                    key = TuneKey("mul_mat", q, (1, 1, m, k), n)
+                    base = dispatch.default_mul_mat(q, m, k, n)
+                    f16 = Choice("mmf", dispatch.mmf_rule_spec(q, n, False, m, sm))
+                    pairs.append(((model, prod, key), base, f16))
+    rows = []
+    run(pairs, rows, np.random.default_rng())
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
