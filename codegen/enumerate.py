@@ -63,6 +63,9 @@ def mmvq_specs(q: QuantType) -> list[MmvqSpec]:
     # (one k-unit in flight on short rows, rows of four; two units of two rows on longer ones)
     out += [dataclasses.replace(MmvqSpec.decode(q.name, rows=r), warps=w, combine=True, units=u)
             for w in (1, 2, 4, 8) for r, u in ((2, 2), (4, 1))]
+    # ... on long rows a slot's k-units split over warps/top_k warps (dispatch.COMBINE_KSPLIT_MIN_UNITS)
+    out += [dataclasses.replace(MmvqSpec.decode(q.name, rows=r), warps=w, combine=True, units=u, ksplit=True)
+            for w in (2, 4, 8) for r, u in ((2, 2), (4, 1))]
     return out
 
 

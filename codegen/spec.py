@@ -271,10 +271,12 @@ class MmvqSpec(KernelSpec):
     of the expert ids read before the wait, which a kernel in flight may still be writing,
     and check them after it (a stale guess is computed again), so the quantizer before may
     release the product at once (the one-token default).
-    ksplit (per-pair; not guess, not combine): the block's warps take the same ROWS rows,
-    each every WARPS-th k-unit of them, their partial sums added in warp order (long rows
-    at one token: the attention output product of 96 heads is 12 units a row; the
-    wait-first expert gate/up walks 4096-wide rows one unit at a time).
+    ksplit (per-pair; not guess): the block's warps take the same ROWS rows, each every
+    WARPS-th k-unit of them, their partial sums added in warp order (long rows at one
+    token: the attention output product of 96 heads is 12 units a row; the wait-first
+    expert gate/up walks 4096-wide rows one unit at a time). With combine the warps split
+    over the slots first: warp w takes slot w % top_k and every (WARPS / top_k)-th unit
+    from w / top_k, top_k dividing WARPS (Mixtral's down, 14 units a row, 2 slots).
     units (guess or wait_first): k-units of 32 blocks a lane has in flight, 2 (the next one
     requested while the current one is computed) or 1 (half the registers: wider rows in
     one wave).
@@ -377,8 +379,8 @@ class MmvqSpec(KernelSpec):
         if self.guess and not (self.prequant and self.pdl and self.ids and not self.wait_first and not self.combine):
             raise ValueError(f"{self.name}: guess belongs to the prequant expert form launched with pdl that does "
                              f"not wait first (nor combine)")
-        if self.ksplit and not (self.per_pair and not self.guess and not self.combine):
-            raise ValueError(f"{self.name}: ksplit belongs to the per-pair forms that neither guess nor combine")
+        if self.ksplit and not (self.per_pair and not self.guess):
+            raise ValueError(f"{self.name}: ksplit belongs to the per-pair forms that do not guess")
         if self.units not in (1, 2):
             raise ValueError(f"{self.name}: units must be 1 or 2")
         if self.units == 1 and not (self.guess or self.wait_first or self.combine):

@@ -95,6 +95,19 @@ COMBINE_ONE_UNIT_MAX_UNITS = 2
 # 627.7, 627.4 -> 643.9, 643.4 (+2.5%). On rows of 1-2 units two rows a warp lost (Qwen3-
 # 30B-A3B 683 -> 631 with one unit, 647 with two; DeepSeek-V2-Lite 679 -> 655, 666).
 COMBINE_TWO_UNIT_ROWS = 2
+# Rows of at least this many k-units split each slot's units over COMBINE_KSPLIT_WAYS warps
+# (MmvqSpec.ksplit with combine: a block of top_k x ways warps) in COMBINE_KSPLIT_FORM's
+# (rows a warp, units in flight): Mixtral-8x7B's down (14 units, 2 slots) ran at 3.1 TB/s
+# against its gate/up's 4.0, a warp walking a slot's 14 units in 7 dependent pairs. H200,
+# synthetic Mixtral-8x7B q4_0, tg128, alternating in one process, two rounds: a warp a slot
+# 385.7, 385.5; two warps a slot of four rows with one unit in flight (56 registers, launch
+# bounds of 8 blocks: 1024 blocks of 4 warps, one wave) 397.9, 397.9 (+3.2%); two rows with
+# two units 379.5, 379.4 (2048 blocks of 4 warps at 56 registers: two waves); four warps a
+# slot of two rows 369.6, 369.6. Measured at 14 units only; 8 is where a warp a slot still
+# walks 4 dependent pairs.
+COMBINE_KSPLIT_MIN_UNITS = 8
+COMBINE_KSPLIT_WAYS = 2
+COMBINE_KSPLIT_FORM = (4, 1)
 
 
 def row_units(k: int) -> int:
@@ -131,6 +144,10 @@ def default_combine(qtype: str, k: int, top_k: int) -> MmvqSpec:
         raise ValueError(f"the combining down product takes at most 8 slots a token, got {top_k}")
     if row_units(k) <= COMBINE_ONE_UNIT_MAX_UNITS:
         return replace(MmvqSpec.decode(qtype), warps=warps, combine=True, units=1)
+    if row_units(k) >= COMBINE_KSPLIT_MIN_UNITS and top_k * COMBINE_KSPLIT_WAYS in (2, 4, 8):
+        rows, units = COMBINE_KSPLIT_FORM
+        return replace(MmvqSpec.decode(qtype, rows=rows), warps=top_k * COMBINE_KSPLIT_WAYS, combine=True,
+                       units=units, ksplit=True)
     return replace(MmvqSpec.decode(qtype, rows=COMBINE_TWO_UNIT_ROWS), warps=warps, combine=True, units=2)
 
 

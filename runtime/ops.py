@@ -232,6 +232,13 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
     of the ids (a wrong guess must give the bits of a right one)."""
     if spec.combine != (combine is not None):
         raise ValueError(f"{spec.name}: a combine spec takes (wts, xres), and only it does")
+    if spec.combine:
+        top_k = ids.shape[1]
+        if top_k > spec.warps:
+            raise ValueError(f"{spec.name}: {top_k} slots per token, the block has {spec.warps} warps")
+        if spec.ksplit and spec.warps % top_k:
+            raise ValueError(f"{spec.name}: the block's {spec.warps} warps split k evenly over {top_k} slots "
+                             f"only where {top_k} divides them")
     kern = load(spec)
     if spec.per_pair:
         # the kernel quantizes its x row itself, or reads the rows quantized before
@@ -257,9 +264,6 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
     ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
     grid = (-(-m // (spec.rows if spec.ksplit else spec.warps * spec.rows)), max_tiles)
     if spec.combine:
-        top_k = ids.shape[1]
-        if top_k > spec.warps:
-            raise ValueError(f"{spec.name}: {top_k} slots per token, the block has {spec.warps} warps")
         grid = (-(-m // spec.rows), ids.shape[0])
     args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), np.uint64(wu.qs_ptr()), np.uint64(wu.meta_ptr()),
             _i32(rows_e if rows_e is not None else w.m), _i32(up_off),

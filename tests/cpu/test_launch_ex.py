@@ -244,7 +244,7 @@ def test_k_split_over_the_warps_is_the_models_long_dense_one_token_form():
     assert not dispatch.default_mmvq("q4_0", 2, False, 12288).ksplit
     assert not dispatch.default_mmvq("q4_0", 1, True, 12288).ksplit
     assert not dispatch.default_mul_mat("q4_0", 4096, 12288, 1).spec.ksplit
-    for bad in (dict(ids=True, guess=True), dict(ids=True, combine=True), dict(per_pair=False, prequant=False)):
+    for bad in (dict(ids=True, guess=True), dict(per_pair=False, prequant=False)):
         with pytest.raises(ValueError, match="ksplit"):
             dataclasses.replace(split, **bad).check()
     # the model's wait-first expert gate/up: rows of four units and more, over 4 warps
@@ -458,3 +458,31 @@ def test_combining_down_product_keeps_one_unit_in_flight_on_short_rows():
             _, log = cmod.nvrtc_compile(cmod.render(spec), spec.name, arch)
             info = cmod.parse_ptxas(log)[spec.symbol]
             assert info["spill_stores"] == 0 and info["registers"] <= 64, (spec.name, arch, info)
+
+
+def test_combining_down_product_splits_long_rows_over_warps():
+    """Rows of COMBINE_KSPLIT_MIN_UNITS k-units and more (Mixtral-8x7B's down: 14 units, 2
+    slots; a top-1 model's with 11 units): each slot's units over
+    COMBINE_KSPLIT_WAYS warps, a block of top_k x ways warps, in COMBINE_KSPLIT_FORM's rows
+    and units; shorter rows, and slots whose warps would not make a block of 2, 4 or 8,
+    keep a warp a slot. The form is generated and renders the slot-major split."""
+    from moeforge.codegen import compile as cmod
+    from moeforge.codegen.enumerate import all_specs
+    from moeforge.codegen.quant import QUANT_TYPES
+    from moeforge.runtime import dispatch
+    ways = dispatch.COMBINE_KSPLIT_WAYS
+    mix = dispatch.default_combine("q4_0", 14336, 2)
+    assert mix.combine and mix.ksplit and mix.warps == 2 * ways
+    assert (mix.rows, mix.units) == dispatch.COMBINE_KSPLIT_FORM
+    lead = dispatch.default_combine("q8_0", 10944, 1)
+    assert lead.ksplit and lead.warps == ways
+    built = set(all_specs([QUANT_TYPES["q4_0"], QUANT_TYPES["q8_0"]]))
+    assert mix in built and lead in built
+    assert not dispatch.default_combine("q4_0", 7168, 2).ksplit          # 7 units
+    assert not dispatch.default_combine("q4_0", 14336, 3).ksplit         # 6 warps
+    assert not dispatch.default_combine("q4_0", 14336, 8).ksplit         # 16 warps
+    src = cmod.render(mix)
+    assert "warp % top_k" in src and "ksub + kways * " in src and "part[w * top_k + j]" in src
+    import dataclasses
+    plain = dataclasses.replace(mix, ksplit=False)
+    assert "ksub" not in cmod.render(plain)

@@ -373,6 +373,54 @@ def test_down_product_with_one_unit_in_flight_changes_no_bit(rng, qtype, k):
     np.testing.assert_array_equal(outs[1], outs[2])
 
 
+@pytest.mark.parametrize("qtype,k", [("q4_0", 14336), ("q4_0", 9248), ("q8_0", 14336), ("q4_K", 9472),
+                                     ("mxfp4", 8224)])
+@pytest.mark.parametrize("top_k,warps,rows,units", [(2, 4, 2, 2), (2, 8, 2, 2), (2, 4, 4, 1), (1, 2, 2, 2),
+                                                    (4, 8, 4, 1)])
+def test_down_product_with_k_split_over_warps(rng, qtype, k, top_k, warps, rows, units):
+    """The combining down product with each slot's k-units split over warps / top_k warps
+    (long rows: Mixtral's down, dispatch.COMBINE_KSPLIT_MIN_UNITS), on rows of 9 to 14
+    units (a last unit partly filled), odd m, skewed routing: both references, the separate
+    product with the same k split followed by moe_combine's sum in slot order, and the same
+    bits twice."""
+    import cupy as cp
+    from moeforge.codegen.spec import MmvqSpec
+    from moeforge.runtime import ops
+    E, m, n = 8, 133, 3
+    raw, w, x, ids, xd, idsd = _setup(rng, qtype, E, m, k, n, top_k, per_slot=True, skew=True)
+    wts = rng.random((n, top_k)).astype(np.float32)
+    res = rng.standard_normal((n, m)).astype(np.float32)
+    spec = dataclasses.replace(MmvqSpec.decode(qtype, rows=rows), warps=warps, combine=True, units=units, ksplit=True)
+    spec.check()
+    runs = []
+    for _ in range(2):
+        got = cp.asarray(res)
+        ops._mmvq(spec, w, xd.reshape(-1, k), idsd, 1, got, m, combine=(cp.asarray(wts), got))
+        runs.append(got.get())
+    g = runs[0]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert np.isfinite(g).all()
+    emu = ref.mul_mat_id_emulated(raw, qtype, (E, m, k), x, ids)
+    flt = ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids)
+    assert ref.nmse(g - res, np.einsum("tj,tjm->tm", wts, emu)) <= NMSE_EMULATED
+    assert ref.nmse(g - res, np.einsum("tj,tjm->tm", wts.astype(np.float64), flt)) <= NMSE_FLOAT
+    separate = dataclasses.replace(MmvqSpec.decode(qtype), warps=warps // top_k, ksplit=True)
+    y = cp.full((n, top_k, m), cp.nan, dtype=cp.float32)
+    ops._mmvq(separate, w, xd.reshape(-1, k), idsd, 1, y, m)
+    want = res.copy()
+    yh = y.get()
+    for t in range(n):
+        s = np.zeros(m, dtype=np.float32)
+        for j in range(top_k):   # moe_combine's order
+            s = (wts[t, j].astype(np.float64) * yh[t, j] + s).astype(np.float32)
+        want[t] = want[t] + s
+    np.testing.assert_allclose(g, want, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="divides"):
+        odd = dataclasses.replace(spec, warps=8)
+        ops._mmvq(odd, w, xd.reshape(-1, k)[:n * 3], cp.asarray(np.zeros((n, 3), np.int32)), 1, got, m,
+                  combine=(cp.asarray(np.ones((n, 3), np.float32)), got))
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("case", ["dense-sk", "routed", "routed-sk", "direct", "per-slot-x"])
 def test_lean_form_changes_no_bit(rng, qtype, case, monkeypatch):
