@@ -30,6 +30,18 @@ def _setup(rng, qtype, E, m, k, n, top_k, per_slot=False, skew=False):
     return raw, w, x, ids, cp.asarray(x), cp.asarray(ids)
 
 
+def _combined(res, wts, y):
+    """res (n, m) + sum_j wts[:, j] * y[:, j] in slot order with moe_combine's arithmetic
+    (each step one fused multiply-add, rounded to float32)."""
+    want = res.copy()
+    for t in range(len(res)):
+        s = np.zeros(res.shape[1], dtype=np.float32)
+        for j in range(wts.shape[1]):
+            s = (wts[t, j].astype(np.float64) * y[t, j] + s).astype(np.float32)
+        want[t] = want[t] + s
+    return want
+
+
 def _check(raw, qtype, shape, x, ids, out, emulated=ref.mul_mat_id_emulated):
     """out against float64 and the emulation of the path that made it (the int8 paths', or
     reference.mul_mat_id_emulated_f16 for the f16 tiles)."""
@@ -340,14 +352,7 @@ def test_down_product_adding_its_weighted_sum(rng, qtype, n, top_k, E, m, k):
     assert ref.nmse(g - res, np.einsum("tj,tjm->tm", wts.astype(np.float64), flt)) <= NMSE_FLOAT
     y = cp.full((n, top_k, m), cp.nan, dtype=cp.float32)
     ops.run_mul_mat_id(w, xd, idsd, y, dispatch.Choice("mmvq", dispatch.default_mmvq(qtype, n, True)))
-    want = res.copy()
-    yh = y.get()
-    for t in range(n):
-        s = np.zeros(m, dtype=np.float32)
-        for j in range(top_k):   # moe_combine's order
-            s = (wts[t, j].astype(np.float64) * yh[t, j] + s).astype(np.float32)
-        want[t] = want[t] + s
-    np.testing.assert_allclose(g, want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(g, _combined(res, wts, y.get()), rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("qtype,k", [("q4_0", 256), ("q4_0", 768), ("q4_0", 1408), ("q8_0", 2880),
@@ -407,14 +412,7 @@ def test_down_product_with_k_split_over_warps(rng, qtype, k, top_k, warps, rows,
     separate = dataclasses.replace(MmvqSpec.decode(qtype), warps=warps // top_k, ksplit=True)
     y = cp.full((n, top_k, m), cp.nan, dtype=cp.float32)
     ops._mmvq(separate, w, xd.reshape(-1, k), idsd, 1, y, m)
-    want = res.copy()
-    yh = y.get()
-    for t in range(n):
-        s = np.zeros(m, dtype=np.float32)
-        for j in range(top_k):   # moe_combine's order
-            s = (wts[t, j].astype(np.float64) * yh[t, j] + s).astype(np.float32)
-        want[t] = want[t] + s
-    np.testing.assert_allclose(g, want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(g, _combined(res, wts, y.get()), rtol=2e-6, atol=2e-6)
     with pytest.raises(ValueError, match="divides"):
         odd = dataclasses.replace(spec, warps=8)
         ops._mmvq(odd, w, xd.reshape(-1, k)[:n * 3], cp.asarray(np.zeros((n, 3), np.int32)), 1, got, m,
