@@ -51,15 +51,12 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
     if not isinstance(arch, str):
         raise ValueError(f"{path}: no general.architecture in the GGUF metadata")
     vals = {}
-    for k in ("expert_count", "expert_used_count", "expert_feed_forward_length", "embedding_length"):
+    for k in ("expert_count", "expert_used_count"):
         v = field(f"{arch}.{k}")
-        if v is None and k == "expert_feed_forward_length" and arch == "llama":
-            v = field(f"{arch}.feed_forward_length")    # Mixtral's: the experts' width, the only key
         if v is None:
             raise ValueError(f"{path}: {arch}.{k} is missing; is this a Mixture-of-Experts model?")
         vals[k] = int(v)
     E, top_k = vals["expert_count"], vals["expert_used_count"]
-    ff, embd = vals["expert_feed_forward_length"], vals["embedding_length"]
     from ..runtime.arch import shared_rides
     tensors = {t.name: t for t in reader.tensors}
     types = {name: type_name(t.tensor_type) for name, t in tensors.items()}
@@ -77,8 +74,13 @@ def model_products(path: str | Path) -> list[tuple[tuple[int, int, int, int], st
         if not run(name):
             continue
         if "_exps" in name:
+            # the widths from the tensors themselves (GGUF order (k, m, experts)), not from
+            # metadata whose keys differ by architecture (Mixtral's llama files have no
+            # expert width key); separate gate and up run as one product of both
             e, k = (E + shared, top_k + shared) if ride else (E, top_k)
-            found.append(((e, k, embd, ff) if "ffn_down" in name else (e, k, 2 * ff, embd), t))
+            k_, m_ = (int(v) for v in tensors[name].shape[:2])
+            gate_or_up = name.split(".")[-2] in ("ffn_gate_exps", "ffn_up_exps")
+            found.append(((e, k, 2 * m_ if gate_or_up else m_, k_), t))
         elif name.endswith(("attn_k_b.weight", "attn_v_b.weight")) and len(tensors[name].shape) == 3:
             # deepseek2's latent attention: a matrix a head, run as an expert product with
             # every head a slot of every token (runtime.backend.Backend.mla_absorb, mla_expand)
