@@ -115,8 +115,8 @@ def _profile_specs() -> frozenset:
 @functools.lru_cache(maxsize=1)
 def _named_specs() -> frozenset:
     """The instances the dispatch defaults choose on any card: int8 tiles of 1 to 256 tokens
-    an expert (dense and MoE) and the mat-vecs of 1 to 8 tokens, plain and fused, with the
-    widths of the models' products."""
+    an expert (dense and MoE) and the mat-vecs of 1 to 8 tokens, plain, fused and combining,
+    with the widths of the models' products."""
     from moeforge.codegen.quant import QUANT_TYPES
     from moeforge.runtime import dispatch
     out = set()
@@ -135,6 +135,9 @@ def _named_specs() -> frozenset:
                             out.add(dispatch.default_fused(q, n, act, bias, ids, k))
                             if ids:
                                 out.add(dispatch.default_fused(q, n, act, bias, ids, k, wait_first=True))
+        for top_k in range(1, 9):       # the model's combining down product: short, mid and long rows
+            for k in (768, 2880, 14336):
+                out.add(dispatch.default_combine(q, k, top_k))
     return frozenset(out)
 
 
