@@ -40,8 +40,7 @@ def waves(choice: Choice, key: TuneKey, sm_count: int, blocks_per_sm: int) -> tu
     E, top_k, m, _ = key.shape
     s = choice.spec
     if key.op == "mul_mat_id":
-        used = min(E, key.n * top_k)
-        tiles = used * math.ceil(key.n * top_k / used / s.x) * math.ceil(m / s.y)
+        tiles = dispatch.moe_tiles(E, top_k, m, key.n, s.x, s.y)
     else:
         tiles = math.ceil(key.n / s.x) * math.ceil(m / s.y) * getattr(s, "splits", 1)
     return tiles, tiles / (sm_count * blocks_per_sm)
