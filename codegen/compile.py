@@ -93,7 +93,8 @@ def nvrtc_compile(source: str, name: str, arch: str, options: tuple[str, ...] = 
 def compile_spec(spec: KernelSpec, arch: str, build_dir: Path | None = None) -> CompiledKernel:
     build_dir = Path(build_dir) if build_dir else default_build_dir()
     source = render(spec)
-    key = hashlib.sha256("\0".join([source, arch, *BASE_OPTIONS, nvrtc_version()]).encode()).hexdigest()[:16]
+    target = spec.nvrtc_arch(arch)    # sm_90a for the instances that use its wgmma
+    key = hashlib.sha256("\0".join([source, target, *BASE_OPTIONS, nvrtc_version()]).encode()).hexdigest()[:16]
     stem = build_dir / arch / f"{spec.name}.{key}"
     cubin, meta, src = (stem.parent / f"{stem.name}{ext}" for ext in (".cubin", ".json", ".cu"))
     if cubin.exists() and meta.exists():
@@ -102,7 +103,7 @@ def compile_spec(spec: KernelSpec, arch: str, build_dir: Path | None = None) -> 
             return CompiledKernel(spec.name, arch, cubin, info, cached=True)
         except (ValueError, KeyError):
             pass  # a damaged entry is rebuilt, never trusted
-    binary, log = nvrtc_compile(source, spec.name, arch)
+    binary, log = nvrtc_compile(source, spec.name, target)
     info = parse_ptxas(log)
     _atomic_write(src, source.encode())
     _atomic_write(cubin, binary)

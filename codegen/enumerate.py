@@ -87,6 +87,26 @@ MMF_SPLITS = (2, 3, 4)
 MMF_SPLIT_TILES = ((128, 128, 4, 4, 2), (64, 128, 8, 4, 3))
 
 
+# sm_90a's warpgroup MMA tiles (MmfSpec.wgmma: the stage's rows dequantized once into
+# shared memory, both operands read by the tensor cores from there), for the formats whose
+# whole super-blocks fit their stages: 1.2-1.4x the wide mma.sync tile (runtime.dispatch).
+MMF_WGMMA_TILES = ((128, 128, 8, 4, 3), (128, 256, 8, 2, 4))
+
+
+def mmf_wgmma_specs(q: QuantType) -> list[MmfSpec]:
+    out = []
+    for ids in (True, False):
+        for t in MMF_WGMMA_TILES:
+            s = MmfSpec(q.name, *t, ids=ids, wgmma=True)
+            try:
+                s.check()
+            except ValueError:
+                continue     # stages of whole super-blocks: larger than the tile's
+            if s.smem_bytes() <= SM90_SMEM_PER_BLOCK:
+                out.append(s)
+    return out
+
+
 def mmf_specs(q: QuantType) -> list[MmfSpec]:
     if q.name not in MmfSpec.QTYPES:
         return []
@@ -98,6 +118,7 @@ def mmf_specs(q: QuantType) -> list[MmfSpec]:
     out += [dataclasses.replace(s, stages=s.stages - 1) for s in out
             if s.smem_bytes() > SM90_SMEM_PER_BLOCK and s.stages > 2]
     out += [MmfSpec(q.name, *whole(t), ids=False, splits=s) for t in MMF_SPLIT_TILES for s in MMF_SPLITS]
+    out += mmf_wgmma_specs(q)
     return list(dict.fromkeys(out))
 
 

@@ -34,7 +34,7 @@ def generate(types: list[QuantType], archs=ARCHS, build_dir: Path | None = None,
     build_dir = Path(build_dir) if build_dir else default_build_dir()
     specs = [s for s in all_specs(types) if families is None or s.family in families]
     subset = subset or {}
-    work = [(s, a, build_dir) for a in archs for s in subset.get(a, specs)]
+    work = [(s, a, build_dir) for a in archs for s in subset.get(a, specs) if s.supports(a)]
     jobs = jobs or os.cpu_count() or 1
     t0 = time.perf_counter()
     results = []

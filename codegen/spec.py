@@ -16,6 +16,10 @@ def _pad16(n: int) -> int:
     return -(-n // 16) * 16
 
 
+def _pad(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     family: ClassVar[str] = ""
@@ -31,6 +35,14 @@ class KernelSpec:
 
     def check(self) -> None:
         """Raise ValueError when the spec cannot be generated at all."""
+
+    def supports(self, arch: str) -> bool:
+        """Whether the instance is built for arch at all (`moeforge generate` skips the others)."""
+        return True
+
+    def nvrtc_arch(self, arch: str) -> str:
+        """The target NVRTC compiles for on arch (ValueError where the instance cannot run)."""
+        return arch
 
     def _check_whole_super_blocks(self) -> None:
         """Tiles whose stages carry kblocks: a stage's scales are whole super-blocks
@@ -400,7 +412,10 @@ class MmfSpec(KernelSpec):
     ggml's cuBLAS path. x: tokens per tile, y: weight rows per tile, warps split y,
     kblocks: 32-value blocks per pipeline stage, stages: cp.async depth. ids: MUL_MAT_ID
     tiles from the routing launch. wn: warps along the tokens (2-D warp tiles: fewer
-    accumulators a thread for wide tiles, the rows' dequantization done once per wn warps)."""
+    accumulators a thread for wide tiles, the rows' dequantization done once per wn warps).
+    wgmma: sm_90a's warpgroup MMA instead of mma.sync, the stage's rows dequantized once by
+    the whole block into shared memory and read from there, as x is, by the tensor cores
+    (two warpgroups, y/128 m64 slices each; DESIGN-NOTES "Prompt products on wgmma")."""
     family: ClassVar[str] = "mmf"
     template: ClassVar[str] = "mmf.cu.j2"
     qtype: str
@@ -412,6 +427,7 @@ class MmfSpec(KernelSpec):
     ids: bool = True
     wn: int = 1          # warps along the tile's tokens (the others split its rows)
     splits: int = 1      # blocks sharing an output tile's k (partials summed in order by mmf_split_sum)
+    wgmma: bool = False  # sm_90a warpgroup MMA: the stage's rows dequantized once into shared memory
     QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
 
@@ -424,7 +440,16 @@ class MmfSpec(KernelSpec):
         fam = "mmf_id" if self.ids else "mmf"
         wn = f"n{self.wn}" if self.wn > 1 else ""
         sk = f"-k{self.splits}" if self.splits > 1 else ""
-        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}{wn}k{self.kblocks}s{self.stages}{sk}"
+        wg = "-wg" if self.wgmma else ""
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}{wn}k{self.kblocks}s{self.stages}{sk}{wg}"
+
+    def supports(self, arch: str) -> bool:
+        return not self.wgmma or arch == "sm_90"
+
+    def nvrtc_arch(self, arch: str) -> str:
+        if not self.supports(arch):
+            raise ValueError(f"{self.name}: wgmma runs on sm_90 only, not {arch}")
+        return "sm_90a" if self.wgmma else arch
 
     @property
     def threads(self) -> int:
@@ -446,10 +471,15 @@ class MmfSpec(KernelSpec):
             # a stage's scales are copied 4 bytes at a time at least (mxfp4: one byte a block)
             raise ValueError(f"{self.name}: a stage must hold 4 scale bytes: kblocks at least "
                              f"{-(-4 // self.quant.meta_bytes)} for {self.qtype}")
-        if self.stages not in (2, 3, 4):
-            raise ValueError(f"{self.name}: stages must be 2, 3 or 4")
+        if self.stages not in ((3, 4, 5) if self.wgmma else (2, 3, 4)):
+            raise ValueError(f"{self.name}: stages must be 2, 3 or 4 (wgmma: 3, 4 or 5)")
         if self.splits not in (1, 2, 3, 4):
             raise ValueError(f"{self.name}: splits must be 1 to 4")
+        if self.wgmma and (self.warps != 8 or self.wn != 1 or self.y not in (128, 256) or self.x not in (64, 128)
+                           or self.splits != 1 or self.kblocks % 2):
+            # two warpgroups, each y / 128 m64 slices of the rows over all of the tile's tokens
+            raise ValueError(f"{self.name}: wgmma tiles are x64 or x128, y128 or y256, 8 warps, wn 1, no split, "
+                             f"whole 64-value panels (kblocks even)")
 
     # One pipeline stage: weight quants (rows padded by 16 bytes: the 8 rows a warp reads
     # at once fall in different banks), weight scales, then x in f16 (rows padded by 32
@@ -463,10 +493,19 @@ class MmfSpec(KernelSpec):
         wm = wq + self.y * wq_row
         xh = wm + self.y * wm_row
         stage = xh + self.x * x_row
-        return dict(wq_row=wq_row, wm_row=wm_row, x_row=x_row, wq=wq, wm=wm, xh=xh, stage=stage)
+        if not self.wgmma:
+            return dict(wq_row=wq_row, wm_row=wm_row, x_row=x_row, wq=wq, wm=wm, xh=xh, stage=stage)
+        # wgmma reads x and the dequantized rows in 128-byte-swizzled panels, 1024-byte
+        # aligned; two buffers of rows, so that one stage's dequantization overlaps the
+        # previous stage's MMAs
+        xh = _pad(xh, 1024)
+        stage = _pad(xh + self.x * self.kblocks * 64, 1024)
+        return dict(wq_row=wq_row, wm_row=wm_row, x_row=x_row, wq=wq, wm=wm, xh=xh, stage=stage,
+                    a=stage * self.stages, a_bytes=self.y * self.kblocks * 64)
 
     def smem_bytes(self) -> int:
-        return self.layout()["stage"] * self.stages
+        L = self.layout()
+        return L["stage"] * self.stages + 2 * L.get("a_bytes", 0)
 
 
 SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec, MmfSpec)}

@@ -53,10 +53,11 @@ def floor_us(qtype: str, shape, ids: np.ndarray, bw_gbs: float, cc: str) -> floa
 def sweep_choices(qtype: str, shape, n: int):
     """Candidates around the tokens each expert receives (a tuner in miniature): mat-vecs
     up to 32 tokens, int8 tiles around the tokens an expert, and every generated f16 tile."""
-    from .codegen.enumerate import MMF_TILES, MMQ_KBLOCKS, MMQ_STAGES, MMQ_X, MMQ_YW, MMVQ_ROWS, MMVQ_WARPS
+    from .codegen.enumerate import (MMF_TILES, MMQ_KBLOCKS, MMQ_STAGES, MMQ_X, MMQ_YW, MMVQ_ROWS, MMVQ_WARPS,
+                                    mmf_wgmma_specs)
     from .codegen.quant import quant_type
     from .codegen.spec import MmfSpec, MmqSpec, MmvqSpec
-    from .runtime.dispatch import MMVQ_MAX_TOKENS, Choice
+    from .runtime.dispatch import MMVQ_MAX_TOKENS, Choice, wgmma_available
     E, top_k, m, k = shape
     out = []
     if n <= 4 * MMVQ_MAX_TOKENS:  # past the default switch too: where does the mat-vec stop winning?
@@ -77,6 +78,8 @@ def sweep_choices(qtype: str, shape, n: int):
         q = quant_type(qtype)
         out += [Choice("mmf_id", MmfSpec(qtype, x, y, w, q.whole_kblocks(kb), st, ids=True))
                 for x, y, w, kb, st in MMF_TILES]
+        if wgmma_available():
+            out += [Choice("mmf_id", s) for s in mmf_wgmma_specs(q) if s.ids]
     return out
 
 
@@ -104,8 +107,9 @@ def _choices(mode: str, qtype: str, shape, n: int):
             out.append(dispatch.Choice("per_expert", MmqSpec(qtype, x=64, y=64, warps=4, stages=3,
                                                              ids=False, stream_k=False)))
         elif p == "mmf_id" and qtype in MmfSpec.QTYPES:
-            out.append(dispatch.Choice("mmf_id", dispatch.mmf_rule_spec(qtype, n, True, None, dispatch.device_sm_count(),
-                                                                         n * top_k / E)))
+            out.append(dispatch.Choice("mmf_id", dispatch.mmf_rule_spec(qtype, n, True, m, dispatch.device_sm_count(),
+                                                                         n * top_k / E, dispatch.wgmma_available(),
+                                                                         (E, top_k))))
         elif p not in dispatch.PATHS or p == "mmf":
             raise ValueError(f"unknown expert-product path {p!r}; choose from mmvq, mmq_id, per_expert, mmf_id")
     return out

@@ -10,6 +10,7 @@ A choice is a path and a spec:
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,7 @@ class Choice:
     paths: tuple[str, ...] = ()   # a profile entry's: the paths its study measured
     kept_default: bool = False    # a profile entry's: its study found nothing faster than its default
     trials: int | None = None     # a profile entry's: how many specs its study timed
+    wgmma_timed: bool = False     # a profile entry's: its study timed wgmma tiles (sm_90)
 
 
 def _pow2_at_least(v: float, lo: int, hi: int) -> int:
@@ -263,6 +265,27 @@ MMF_NARROW_TILES = ((32, (32, 256, 8, 8, 2)), (64, (64, 256, 8, 4, 3)))
 # against the wide tile's 843.7 and the int8 default's 862.5).
 MMF_EXPERT_TILE_OF = {"q4_K": (64, 256, 8, 4, 3), "iq4_xs": (64, 256, 8, 4, 3), "q5_K": (64, 256, 8, 4, 2)}
 MMF_CC_MAJOR = (9,)
+# sm_90a's warpgroup MMA in place of the wide mma.sync tile (unsplit): the stage's rows
+# dequantized once into shared memory for both warpgroups, x and the rows read by the
+# tensor cores from 128-byte-swizzled panels (MmfSpec.wgmma). H200, q4_0, against the wide
+# tile, random and skewed routing (scripts/product_ab.py wgmma, BENCHMARKS.md "Prompt
+# products on wgmma"): Mixtral-8x7B's gate/up n=2048 4391 -> 3322 us (x128y256), down
+# 2148 -> 1572 (x128y128), gpt-oss-20b's gate/up 1364 -> 1008, Qwen3's n=4096 1099 -> 872,
+# dense q|k|v 6144x4096 n=2048 386 -> 303; 0.72-0.82x everywhere, q8_0 0.75-0.92x. The
+# 256-row tile halves x's traffic a weight but has half the blocks: it goes where its
+# mean-routing tiles fill MMF_WGMMA_Y256_MIN_WAVES waves (Mixtral's down at 2048 tokens, 4
+# waves: 1746 against the 128-row tile's 1550 us; its gate/up at 27 waves 3270 against 3364).
+WGMMA = True     # off: the mma.sync tiles everywhere (as MOEFORGE_WGMMA=0; scripts/dispatch_ab.py's switch)
+MMF_WGMMA_Y128 = (128, 128, 8, 4, 3)
+MMF_WGMMA_Y256 = (128, 256, 8, 2, 4)
+MMF_WGMMA_Y256_MIN_WAVES = 8
+# With them the f16 tiles win from 128 tokens an expert for every format that has them
+# (q4_0's mma.sync tiles only tied its int8 ones there: MMF_MIN_TOKENS_PER_EXPERT). H200,
+# q4_0, the int8 default against the wgmma tile: at 128 an expert Mixtral-8x7B's gate/up
+# and down 0.79x, gpt-oss-20b's 0.90x and 0.92x, Qwen3-30B-A3B's 0.87x and 0.96x; at 64 an
+# expert 1.10-1.94x (the int8 tiles stay there). q8_0 (f16 from 128 already) against its
+# mma.sync tile at 128 an expert 0.75-0.91x, Qwen3's down 1.02x.
+MMF_WGMMA_MIN_TOKENS_PER_EXPERT = 128
 
 
 def _device_cc_major() -> int | None:
@@ -292,7 +315,13 @@ def mmf_dense_splits(n: int, m: int, sm_count: int) -> int:
     return max(1, min(MMF_MAX_SPLITS, 2 * sm_count // tiles))
 
 
-def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | None = None) -> Choice | None:
+def wgmma_available() -> bool:
+    """sm_90 (H100, H200), unless MOEFORGE_WGMMA=0 (the A/B switch)."""
+    return WGMMA and os.environ.get("MOEFORGE_WGMMA", "1") != "0" and _device_cc_major() == 9
+
+
+def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | None = None,
+               moe: tuple[int, int] | None = None) -> Choice | None:
     """The f16 tiles in place of any int8 choice, profile or default, where they won every
     measured case: on sm_90 (f16 mma.sync runs at half the int8 rate there, but MMQ spends
     ~27 issued instructions per int8 mma on per-block scale arithmetic and never gets near
@@ -315,24 +344,33 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     int8 tiles stay unless a profile says otherwise. q2_K and q3_K, whose int8 tiles pay two
     IMMA a fragment, take the f16 tiles from 16 tokens an expert, narrower ones below 64;
     q5_K from 64 (two stages of x64y256), q4_K, iq4_xs and q8_0 from 128
-    (MMF_MIN_TOKENS_PER_EXPERT_OF, MMF_NARROW_TILES, MMF_EXPERT_TILE_OF)."""
+    (MMF_MIN_TOKENS_PER_EXPERT_OF, MMF_NARROW_TILES, MMF_EXPERT_TILE_OF); with the wgmma
+    tiles (wgmma_available) every format that has them from 128 at most
+    (MMF_WGMMA_MIN_TOKENS_PER_EXPERT). moe: (E, top_k) of an expert product, whose tile
+    count picks the wgmma tile's rows."""
     if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
         return None
     ids = tokens_per_expert is not None
     min_per_expert = MMF_MIN_TOKENS_PER_EXPERT_OF.get(qtype, MMF_MIN_TOKENS_PER_EXPERT)
+    if ids and MMF_WGMMA_MIN_TOKENS_PER_EXPERT <= tokens_per_expert < min_per_expert and _wgmma_built(qtype) \
+            and wgmma_available():
+        min_per_expert = MMF_WGMMA_MIN_TOKENS_PER_EXPERT
     if ids and tokens_per_expert < min_per_expert or not ids and n < MMF_MIN_DENSE_TOKENS:
         return None
     if _device_cc_major() not in MMF_CC_MAJOR:
         return None
-    return Choice("mmf_id" if ids else "mmf", mmf_rule_spec(qtype, n, ids, m, device_sm_count(), tokens_per_expert),
-                  "rule")
+    return Choice("mmf_id" if ids else "mmf",
+                  mmf_rule_spec(qtype, n, ids, m, device_sm_count(), tokens_per_expert, wgmma_available(), moe), "rule")
 
 
 def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
-                  tokens_per_expert: float | None = None) -> MmfSpec:
+                  tokens_per_expert: float | None = None, wgmma: bool = False,
+                  moe: tuple[int, int] | None = None) -> MmfSpec:
     """The rule's tile on a card of sm_count SMs (a dense product of m rows may split k; an
     expert product of few tokens an expert takes a narrower tile, MMF_NARROW_TILES, and a
-    super-block format its own, MMF_EXPERT_TILE_OF)."""
+    super-block format its own, MMF_EXPERT_TILE_OF). wgmma (sm_90): the warpgroup tiles in
+    place of the unsplit wide tile, for the formats that have them; the 256-row one for an
+    expert product (moe: E, top_k) of m rows whose tiles fill MMF_WGMMA_Y256_MIN_WAVES waves."""
     splits = mmf_dense_splits(n, m, sm_count) if not ids and m is not None else 1
     x, y, warps, kblocks, stages = MMF_WIDE_TILE
     if ids:
@@ -340,7 +378,20 @@ def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
         if tokens_per_expert is not None:
             x, y, warps, kblocks, stages = next((t for below, t in MMF_NARROW_TILES if tokens_per_expert < below),
                                                 (x, y, warps, kblocks, stages))
+    if wgmma and splits == 1 and (x, y, warps, kblocks, stages) == MMF_WIDE_TILE:
+        wide = ids and moe is not None and m is not None and \
+            moe_tiles(*moe, m, n, MMF_WGMMA_Y256[0], MMF_WGMMA_Y256[1]) >= MMF_WGMMA_Y256_MIN_WAVES * sm_count
+        for t in ((MMF_WGMMA_Y256, MMF_WGMMA_Y128) if wide else (MMF_WGMMA_Y128,)):
+            spec = MmfSpec(qtype, *t, ids=ids, wgmma=True)
+            if spec in _wgmma_built(qtype):
+                return spec
     return MmfSpec(qtype, x, y, warps, quant_type(qtype).whole_kblocks(kblocks), stages, ids=ids, splits=splits)
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_built(qtype: str) -> frozenset:
+    from ..codegen.enumerate import mmf_wgmma_specs
+    return frozenset(mmf_wgmma_specs(quant_type(qtype)))
 
 
 # Fewer trials than this: the study timed its seeds (the default, the profile's incumbent,
@@ -360,8 +411,10 @@ def outdated(found: Choice | None, default: Choice) -> bool:
 
 
 def _measured_f16(found: Choice | None) -> bool:
-    """A profile entry whose study timed the f16 tiles too: its choice stands."""
-    return found is not None and bool({"mmf", "mmf_id"} & set(found.paths))
+    """A profile entry whose study timed the f16 tiles too (on sm_90, the wgmma ones among
+    them): its choice stands."""
+    return (found is not None and bool({"mmf", "mmf_id"} & set(found.paths))
+            and (found.wgmma_timed or not wgmma_available()))
 
 
 def _without_f16(found: Choice | None) -> Choice | None:
@@ -389,7 +442,8 @@ def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int, f1
     the profile's where it chose one, else the default."""
     from .profiles_hook import lookup
     return _resolve(lookup("mul_mat_id", qtype, (E, top_k, m, k), n),
-                    lambda: default_mul_mat_id(qtype, E, top_k, m, k, n), f16, lambda: mmf_choice(qtype, n, n * top_k / E))
+                    lambda: default_mul_mat_id(qtype, E, top_k, m, k, n), f16,
+                    lambda: mmf_choice(qtype, n, n * top_k / E, m, (E, top_k)))
 
 
 # Expert tiles of the mean routing fewer than this many an SM: MMQ-ID with stream-k. Below

@@ -16,6 +16,8 @@ def x_to_f16(spec: MmfSpec, x2d, glu: bool = False):
     holds (rows, 2k) gate|up products and what is converted is silu(gate) * up."""
     rows, k = x2d.shape[0], _act_width(x2d, glu)
     kp = _round_up(k // 32, MmfSpec.X_PAD_BLOCKS) * 32
+    if spec.wgmma and rows * kp * 2 >= 1 << 32:
+        raise ValueError(f"{spec.name}: {rows} x {kp} f16 activations pass 4 GiB; its row offsets are 32-bit")
     xh = WORKSPACE.get("x_f16", rows * kp * 2, np.uint16).reshape(rows, kp)
     load(spec, "mmf_x_to_f16")(grid_1d(rows * kp // 4), (_aligned(x2d), xh, _i32(rows), _i32(k), _i32(kp),
                                                       _i32(int(glu))), block=256, smem=0)

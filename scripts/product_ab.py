@@ -6,6 +6,10 @@ dispatch rule on the card at hand, with the tile count and waves each side runs.
         the expert products' default int8 tile against the same tile with stream-k
     python3 scripts/product_ab.py dense-f16 [--types q4_0,q8_0] [--n 64,128,256,512]
         the dense products' default int8 tile against the f16 tile the rule takes from 512
+    python3 scripts/product_ab.py wgmma [--types q4_0,q8_0] [--n 256,...] [--dense-n 128,...]
+        what runs without the wgmma tiles (MOEFORGE_WGMMA=0: the profile's or the rules'
+        choice) against the wgmma tile the rule takes at that count (the expert products
+        also below the rule's threshold of tokens an expert, to place it)
 """
 import argparse
 import dataclasses
@@ -69,9 +73,38 @@ def run(pairs, out_rows, rng) -> None:
               f"{row['b_us'] / row['a_us']:>5.2f}", flush=True)
 
 
+def wgmma_pairs(types, models, ns, dense_ns):
+    import os
+    sm = dispatch.device_sm_count()
+
+    def without_wgmma(choose):
+        os.environ["MOEFORGE_WGMMA"] = "0"
+        try:
+            return choose()
+        finally:
+            del os.environ["MOEFORGE_WGMMA"]
+    pairs = []
+    for (model, prod), (E, top_k, m, k) in EXPERTS.items():
+        for q in types:
+            for n in ns if not models or model in models else ():
+                b = dispatch.mmf_rule_spec(q, n, True, m, sm, None, True, (E, top_k))
+                if b.wgmma:
+                    a = without_wgmma(lambda: dispatch.choose_mul_mat_id(q, E, top_k, m, k, n))
+                    pairs.append(((model, prod, TuneKey("mul_mat_id", q, (E, top_k, m, k), n)), a, Choice("mmf_id", b)))
+    for (model, prod), (m, k) in DENSE.items():
+        for q in types:
+            for n in dense_ns if not models or model in models else ():
+                b = dispatch.mmf_rule_spec(q, n, False, m, sm, None, True)
+                if b.wgmma:
+                    a = without_wgmma(lambda: dispatch.choose_mul_mat(q, m, k, n))
+                    pairs.append(((model, prod, TuneKey("mul_mat", q, (1, 1, m, k), n)), a, Choice("mmf", b)))
+    return pairs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("streamk", "dense-f16"))
+    ap.add_argument("mode", choices=("streamk", "dense-f16", "wgmma"))
+    ap.add_argument("--dense-n", default="128,256,512,2048")
     ap.add_argument("--types", default="q4_0")
     ap.add_argument("--n", default=None)
     ap.add_argument("--models", default=None, help="comma separated (default: all)")
@@ -93,6 +126,9 @@ def main() -> None:
                         continue
                     sk = dataclasses.replace(base.spec, stream_k=not base.spec.stream_k)
                     pairs.append(((model, prod, key), base, Choice("mmq_id", sk)))
+    elif a.mode == "wgmma":
+        pairs = wgmma_pairs(types, models, [int(v) for v in (a.n or "256,512,1024,2048,4096").split(",")],
+                            [int(v) for v in a.dense_n.split(",")])
     else:
         ns = [int(v) for v in (a.n or "64,128,256,512").split(",")]
         sm = dispatch.device_sm_count()

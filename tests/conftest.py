@@ -101,7 +101,8 @@ def compile_plan() -> dict:
     sm90 = [s for s in specs if s in kept or not isinstance(s, (MmqSpec, MmvqSpec))]
     named = [s for s in specs if s in _named_specs()]
     sm80 = list(dict.fromkeys(cheap32 + one_form + named + specs[::SAMPLE_EVERY]))
-    return {a: sm90 if a == "sm_90" else sm80 if a == "sm_80" else specs[::OTHER_ARCH_EVERY] for a in ARCHS}
+    plan = {a: sm90 if a == "sm_90" else sm80 if a == "sm_80" else specs[::OTHER_ARCH_EVERY] for a in ARCHS}
+    return {a: [s for s in v if s.supports(a)] for a, v in plan.items()}   # wgmma: sm_90 only
 
 
 @functools.lru_cache(maxsize=1)

@@ -88,6 +88,8 @@ def save_results(fp: dict, results, profile_dir, default_name, warn) -> Path | N
         extra["kernel"] = source_hash(r.choice.spec)
         if r.paths:
             extra["paths"] = list(r.paths)
+        if r.wgmma:
+            extra["wgmma"] = True
         prof.put(Entry(r.key, r.choice.path, r.choice.spec, r.best_us, r.default_us, extra))
         n += 1
     if not n:

@@ -27,7 +27,8 @@ TOP_KEYS = {"schema_version", "fingerprint", "created", "entries"}
 ENTRY_REQUIRED = {"op": str, "qtype": str, "shape": list, "n": int, "path": str, "spec": dict,
                   "us": float, "default_us": float}
 ENTRY_OPTIONAL = {"default_spec": str, "us_random": float, "us_skewed": float, "trials": int,
-                  "kernel": str, "paths": list}   # paths: those the study measured
+                  "kernel": str, "paths": list,   # paths: those the study measured
+                  "wgmma": bool}                  # wgmma tiles among them (dispatch._measured_f16)
 HEX = set("0123456789abcdef")
 
 
@@ -55,7 +56,7 @@ class Entry:
         """What dispatch runs for this entry, with what its study knew (dispatch.outdated)."""
         return Choice(self.path, self.spec, "profile", tuple(self.extra.get("paths", ())),
                       kept_default=self.extra.get("default_spec") == self.spec.name,
-                      trials=self.extra.get("trials"))
+                      trials=self.extra.get("trials"), wgmma_timed=bool(self.extra.get("wgmma", False)))
 
     def to_dict(self) -> dict:
         k = self.key

@@ -210,6 +210,8 @@ def build(key: TuneKey, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Space:
         why = None
         if path in F16_PATHS and key.n <= dispatch.MMVQ_MAX_TOKENS:
             why = f"f16 tiles at n={key.n}: the mat-vec path's range"
+        elif getattr(spec, "wgmma", False) and not dispatch.wgmma_available():
+            why = "wgmma tiles run on sm_90 only"
         elif spec.smem_bytes() > smem_limit:
             why = f"needs {spec.smem_bytes()} B of shared memory, the device allows {smem_limit}"
         elif path == "per_expert" and tokens < PER_EXPERT_MIN_TOKENS:
@@ -267,8 +269,9 @@ def seeds(space: Space) -> list[Choice]:
             spec = dispatch.default_mmvq(k.qtype, k.n, ids=k.op == "mul_mat_id")
         elif path in F16_PATHS:
             ids = path == "mmf_id"
-            spec = dispatch.mmf_rule_spec(k.qtype, k.n, ids, None if ids else k.shape[2], dispatch.device_sm_count(),
-                                          k.tokens_per_expert if ids else None)
+            spec = dispatch.mmf_rule_spec(k.qtype, k.n, ids, k.shape[2], dispatch.device_sm_count(),
+                                          k.tokens_per_expert if ids else None, dispatch.wgmma_available(),
+                                          k.shape[:2] if ids else None)
         else:
             t = k.tokens_per_expert if path != "mmq" else k.n
             spec = dispatch.default_mmq(k.qtype, t, ids=path == "mmq_id")

@@ -312,6 +312,7 @@ class Result:
     attrs: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)   # (spec, reason), for the report
     paths: list = field(default_factory=list)      # the paths among the measured trials
+    wgmma: bool = False                            # wgmma tiles among the measured trials
 
     @property
     def speedup(self) -> float | None:
@@ -342,5 +343,6 @@ def result(storage, fp: dict, key: TuneKey, smem_limit: int) -> Result | None:
     res.best_us = best.value
     res.choice = space.lookup(dict(best.params))
     res.paths = sorted({t.params["path"] for t in ok}, key=PATHS[key.op].index)
+    res.wgmma = any(getattr(getattr(space.lookup(dict(t.params)), "spec", None), "wgmma", False) for t in ok)
     res.attrs = {k: v for k, v in best.user_attrs.get("result", {}).items() if k in ("us_random", "us_skewed")}
     return res

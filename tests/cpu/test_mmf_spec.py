@@ -1,4 +1,7 @@
 """The f16 tensor-core path on the CPU: its specs, its reference, the runtime's rule."""
+import dataclasses
+import io
+
 import numpy as np
 import pytest
 
@@ -150,7 +153,8 @@ def test_an_mxfp4_tensor_past_f16_takes_the_int8_tiles(monkeypatch):
     assert dispatch.choose_mul_mat_id("mxfp4", *shape, 4096, f16=False).path == "mmq_id"
     assert dispatch.choose_mul_mat("mxfp4", 2880, 2880, 1024).path == "mmf"
     assert dispatch.choose_mul_mat("mxfp4", 2880, 2880, 1024, f16=False).path == "mmq"
-    tuned = dispatch.Choice("mmf_id", MmfSpec("mxfp4", 128, 128, 4, 4, 2), "profile", ("mmq_id", "mmf_id"))
+    tuned = dispatch.Choice("mmf_id", MmfSpec("mxfp4", 128, 128, 4, 4, 2), "profile", ("mmq_id", "mmf_id"),
+                            wgmma_timed=True)
     monkeypatch.setattr(profiles_hook, "lookup", lambda *a: tuned)
     assert dispatch.choose_mul_mat_id("mxfp4", *shape, 4096) == tuned
     assert dispatch.choose_mul_mat_id("mxfp4", *shape, 4096, f16=False).path == "mmq_id"
@@ -188,23 +192,43 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     assert dispatch.choose_mul_mat("q4_K", 5120, 2048, 512).spec.kblocks == 8      # whole super-blocks
     moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
     assert moe.path == "mmf_id" and moe.spec.ids and moe.spec.x == 128
-    assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 2048).path != "mmf_id"   # 128 an expert
+    # q4_0 at 128 an expert: the wgmma tile (its mma.sync tiles only tie the int8 ones there)
+    assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 2048).spec.wgmma
+    monkeypatch.setattr(dispatch, "WGMMA", False)
+    assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 2048).path != "mmf_id"
+    monkeypatch.setattr(dispatch, "WGMMA", True)
     # q8_0, q4_K and iq4_xs from 128 tokens an expert; the super-block formats on x64y256
-    for qtype, tile in (("q8_0", (128, 128)), ("q4_K", (64, 256)), ("iq4_xs", (64, 256))):
+    # (q8_0's the wgmma tiles, the 256-row one where its tiles fill 8 waves of the 64 SMs set
+    # above: 768 tiles at 4096 tokens, 384 at 2048)
+    for qtype, tiles_xy in (("q8_0", [(128, 128), (128, 256), (128, 256)]), ("q4_K", [(64, 256)] * 3),
+                            ("iq4_xs", [(64, 256)] * 3)):
         tiles = [dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, n) for n in (1024, 2048, 4096, 16384)]
         assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 3
-        assert {(c.spec.x, c.spec.y) for c in tiles[1:]} == {tile}
+        assert [(c.spec.x, c.spec.y) for c in tiles[1:]] == tiles_xy
+        assert all(c.spec.wgmma == (qtype == "q8_0") for c in tiles[1:])
         assert dispatch.choose_mul_mat(qtype, 2048, 4096, 2048).spec.x == 128     # dense: the wide tile
     # q3_K's and q2_K's int8 tiles pay two products a block: their f16 tiles from 16 tokens an
     # expert, narrower below 64
     for qtype in ("q2_K", "q3_K"):
         tiles = [dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, n) for n in (128, 256, 512, 1024, 4096)]
         assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 4
-        assert [(c.spec.x, c.spec.y) for c in tiles[1:]] == [(32, 256), (64, 256), (128, 128), (128, 128)]
+        assert [(c.spec.x, c.spec.y) for c in tiles[1:]] == [(32, 256), (64, 256), (128, 128), (128, 256)]
+        assert [c.spec.wgmma for c in tiles[1:]] == [False, False, True, True]
     assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 1024).path != "mmf_id"
     monkeypatch.setenv("MOEFORGE_MMF", "0")
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
     monkeypatch.delenv("MOEFORGE_MMF")
+    # sm_90's warpgroup tiles in place of the unsplit wide tile; the split forms stay mma.sync
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 132)
+    assert dense.spec.wgmma and (dense.spec.y, dense.spec.warps) == (128, 8)
+    assert not dispatch.choose_mul_mat("q4_0", 2048, 4096, 512).spec.wgmma
+    gate = dispatch.choose_mul_mat_id("q4_0", 8, 2, 28672, 4096, 2048)   # Mixtral's: 3584 tiles of 256 rows
+    down = dispatch.choose_mul_mat_id("q4_0", 8, 2, 4096, 14336, 2048)   # 512: under 8 waves
+    assert gate.spec.wgmma and gate.spec.y == 256 and down.spec.wgmma and down.spec.y == 128
+    monkeypatch.setenv("MOEFORGE_WGMMA", "0")
+    assert dispatch.choose_mul_mat_id("q4_0", 8, 2, 28672, 4096, 2048).spec == \
+        MmfSpec("q4_0", *dispatch.MMF_WIDE_TILE, ids=True)
+    monkeypatch.delenv("MOEFORGE_WGMMA")
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 8)
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: None)   # no GPU
@@ -262,8 +286,15 @@ def test_a_tuned_entry_that_timed_the_f16_path_stands_over_the_rule(monkeypatch)
     int8 = MmqSpec("q4_0", x=32, y=128, warps=4, ids=False)
     older = dispatch.Choice("mmq", int8, "profile")                      # tuned before f16 tiles existed
     newer = dispatch.Choice("mmq", int8, "profile", ("mmq", "mmf"))      # timed them, kept int8
+    newest = dispatch.Choice("mmq", int8, "profile", ("mmq", "mmf"), wgmma_timed=True)
     monkeypatch.setattr(profiles_hook, "lookup", lambda *a: older)
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path == "mmf"
+    monkeypatch.setattr(profiles_hook, "lookup", lambda *a: newer)
+    # on sm_90 a study that timed the mma.sync f16 tiles only gives way to the wgmma tile
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).spec.wgmma
+    monkeypatch.setattr(profiles_hook, "lookup", lambda *a: newest)
+    assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512) == newest
+    monkeypatch.setenv("MOEFORGE_WGMMA", "0")
     monkeypatch.setattr(profiles_hook, "lookup", lambda *a: newer)
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512) == newer
 
@@ -281,7 +312,7 @@ def test_bench_sweep_times_every_generated_f16_tile(monkeypatch):
     """`moeforge bench --paths sweep` puts the f16 tiles next to the int8 ones past decode
     sizes (for the types that have them), each an instance `moeforge generate` builds."""
     from moeforge.bench import _choices
-    from moeforge.codegen.enumerate import MMF_TILES, all_specs
+    from moeforge.codegen.enumerate import MMF_TILES, all_specs, mmf_wgmma_specs
     from moeforge.codegen.quant import quant_type
     from moeforge.runtime import dispatch
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
@@ -291,7 +322,9 @@ def test_bench_sweep_times_every_generated_f16_tile(monkeypatch):
         built = {s for s in all_specs([quant_type(qtype)])}
         choices = _choices("sweep", qtype, qwen, 512)
         f16 = [c for c in choices if c.path == "mmf_id"]
-        assert len(f16) == (len(MMF_TILES) if qtype != "q6_K" else 0)
+        wgmma = [s for s in mmf_wgmma_specs(quant_type(qtype)) if s.ids]     # sm_90 (cc 9 above)
+        assert len(f16) == (len(MMF_TILES) + len(wgmma) if qtype != "q6_K" else 0)
+        assert {c.spec for c in f16} >= set(wgmma) and (qtype == "q6_K" or wgmma)
         assert all(c.spec in built for c in choices)
         assert not [c for c in _choices("sweep", qtype, qwen, 8) if c.path == "mmf_id"]
 
@@ -327,3 +360,34 @@ def test_split_k_chunks_cover_k_once(splits):
             assert count >= 0
             covered += range(kc0, kc0 + count)
         assert covered == list(range(chunks)), (chunks, covered)
+
+
+def test_wgmma_tiles_are_sm90_instances_with_aligned_swizzled_panels(tmp_path):
+    """MmfSpec.wgmma: its own name, sm_90 only (`moeforge generate` skips it elsewhere;
+    NVRTC compiles it for sm_90a, whose wgmma it uses), panels 1024-byte aligned (the
+    128-byte swizzle is of absolute addresses), two row buffers beside the stages, and only
+    the shapes its template is written for."""
+    from moeforge.codegen.compile import compile_spec
+    from moeforge.codegen.enumerate import SM90_SMEM_PER_BLOCK, mmf_wgmma_specs
+    from moeforge.codegen.generate import generate
+    from moeforge.codegen.quant import parse_types, quant_type
+    spec = MmfSpec("q4_0", 128, 256, 8, 2, 4, ids=True, wgmma=True)
+    assert spec.name == "mmf_id-q4_0-x128y256w8k2s4-wg"
+    assert spec.supports("sm_90") and not spec.supports("sm_80") and spec.nvrtc_arch("sm_90") == "sm_90a"
+    with pytest.raises(ValueError, match="sm_90 only"):
+        spec.nvrtc_arch("sm_89")
+    L = spec.layout()
+    assert L["xh"] % 1024 == 0 and L["stage"] % 1024 == 0 and L["a"] == 4 * L["stage"]
+    assert L["a_bytes"] == 256 * 2 * 64 and spec.smem_bytes() == 4 * L["stage"] + 2 * L["a_bytes"]
+    for bad in (dict(warps=4), dict(y=192), dict(x=32), dict(kblocks=3), dict(stages=2), dict(wn=2)):
+        with pytest.raises(ValueError):
+            dataclasses.replace(spec, **bad).check()
+    built = {q: mmf_wgmma_specs(quant_type(q)) for q in MmfSpec.QTYPES}
+    assert spec in built["q4_0"] and all(s.smem_bytes() <= SM90_SMEM_PER_BLOCK for v in built.values() for s in v)
+    assert built["q4_K"] == [] and built["iq4_xs"] == []     # stages of whole super-blocks do not fit
+    dense = MmfSpec("q8_0", 128, 128, 8, 4, 3, ids=False, wgmma=True)
+    ck = compile_spec(dense, "sm_90", tmp_path)
+    assert ck.info[dense.symbol]["spill_stores"] == 0 and ck.cubin.exists()
+    summary = generate(parse_types("q8_0"), ("sm_80",), tmp_path, progress=False, out=io.StringIO(),
+                       subset={"sm_80": [dense, MmfSpec("q8_0", 128, 128, 4, 4, 2, ids=False)]})
+    assert summary["total"] == 1 and summary["failures"] == []

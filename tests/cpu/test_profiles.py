@@ -201,6 +201,7 @@ def test_an_entry_that_kept_an_outdated_default_gives_way_to_todays_rules(monkey
     have moved on; one that found a faster spec stands, and so does a default that won a
     longer study (dispatch.outdated)."""
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    monkeypatch.setattr(dispatch, "WGMMA", False)   # its rule would take 2048 tokens (128 an expert) to f16
     today = dispatch.default_mul_mat_id("q4_0", *QWEN, 2048).spec
     old_default = MmqSpec("q4_0", x=64, y=128, warps=4)
     assert today != old_default
