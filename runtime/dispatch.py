@@ -315,9 +315,13 @@ def mmf_dense_splits(n: int, m: int, sm_count: int) -> int:
     return max(1, min(MMF_MAX_SPLITS, 2 * sm_count // tiles))
 
 
+def _wgmma_enabled() -> bool:
+    return WGMMA and os.environ.get("MOEFORGE_WGMMA", "1") != "0"
+
+
 def wgmma_available() -> bool:
     """sm_90 (H100, H200), unless MOEFORGE_WGMMA=0 (the A/B switch)."""
-    return WGMMA and os.environ.get("MOEFORGE_WGMMA", "1") != "0" and _device_cc_major() == 9
+    return _wgmma_enabled() and _device_cc_major() == 9
 
 
 def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | None = None,
@@ -352,15 +356,20 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
         return None
     ids = tokens_per_expert is not None
     min_per_expert = MMF_MIN_TOKENS_PER_EXPERT_OF.get(qtype, MMF_MIN_TOKENS_PER_EXPERT)
-    if ids and MMF_WGMMA_MIN_TOKENS_PER_EXPERT <= tokens_per_expert < min_per_expert and _wgmma_built(qtype) \
-            and wgmma_available():
-        min_per_expert = MMF_WGMMA_MIN_TOKENS_PER_EXPERT
-    if ids and tokens_per_expert < min_per_expert or not ids and n < MMF_MIN_DENSE_TOKENS:
+    below = ids and tokens_per_expert < min_per_expert or not ids and n < MMF_MIN_DENSE_TOKENS
+    # below the format's threshold only the wgmma tiles may still take it; the device is
+    # asked only where the answer matters (this runs on every eager product's path)
+    if below and not (ids and tokens_per_expert >= MMF_WGMMA_MIN_TOKENS_PER_EXPERT and _wgmma_built(qtype)
+                      and _wgmma_enabled()):
         return None
-    if _device_cc_major() not in MMF_CC_MAJOR:
+    cc = _device_cc_major()
+    if cc not in MMF_CC_MAJOR:
+        return None
+    wgmma = cc == 9 and _wgmma_enabled()
+    if below and not wgmma:
         return None
     return Choice("mmf_id" if ids else "mmf",
-                  mmf_rule_spec(qtype, n, ids, m, device_sm_count(), tokens_per_expert, wgmma_available(), moe), "rule")
+                  mmf_rule_spec(qtype, n, ids, m, device_sm_count(), tokens_per_expert, wgmma, moe), "rule")
 
 
 def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,

@@ -74,15 +74,14 @@ def run(pairs, out_rows, rng) -> None:
 
 
 def wgmma_pairs(types, models, ns, dense_ns):
-    import os
     sm = dispatch.device_sm_count()
 
     def without_wgmma(choose):
-        os.environ["MOEFORGE_WGMMA"] = "0"
+        dispatch.WGMMA = False
         try:
             return choose()
         finally:
-            del os.environ["MOEFORGE_WGMMA"]
+            dispatch.WGMMA = True
     pairs = []
     for (model, prod), (E, top_k, m, k) in EXPERTS.items():
         for q in types:
