@@ -88,8 +88,9 @@ MMF_SPLIT_TILES = ((128, 128, 4, 4, 2), (64, 128, 8, 4, 3))
 
 
 # sm_90a's warpgroup MMA tiles (MmfSpec.wgmma: the stage's rows dequantized once into
-# shared memory, both operands read by the tensor cores from there), for the formats whose
-# whole super-blocks fit their stages: 1.2-1.4x the wide mma.sync tile (runtime.dispatch).
+# shared memory, both operands read by the tensor cores from there): 1.2-1.4x the wide
+# mma.sync tile (runtime.dispatch). The super-block formats' stages hold half or a quarter
+# of one (MmfSpec.part_super).
 MMF_WGMMA_TILES = ((128, 128, 8, 4, 3), (128, 256, 8, 2, 4))
 
 
@@ -101,7 +102,7 @@ def mmf_wgmma_specs(q: QuantType) -> list[MmfSpec]:
             try:
                 s.check()
             except ValueError:
-                continue     # stages of whole super-blocks: larger than the tile's
+                continue     # mxfp4's 256-row tile: a stage of two blocks has 2 scale bytes
             if s.smem_bytes() <= SM90_SMEM_PER_BLOCK:
                 out.append(s)
     return out

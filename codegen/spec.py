@@ -44,11 +44,12 @@ class KernelSpec:
         """The target NVRTC compiles for on arch (ValueError where the instance cannot run)."""
         return arch
 
-    def _check_whole_super_blocks(self) -> None:
+    def _check_whole_super_blocks(self, parts: bool = False) -> None:
         """Tiles whose stages carry kblocks: a stage's scales are whole super-blocks
-        (quant_q4_K.cuh.j2 finds its own; QuantType.whole_kblocks rounds up to them)."""
+        (quant_q4_K.cuh.j2 finds its own; QuantType.whole_kblocks rounds up to them).
+        parts: a stage may also hold a whole fraction of one, and copy its scales whole."""
         q = self.quant
-        if q.super_meta and self.kblocks % q.sub_blocks:
+        if q.super_meta and self.kblocks % q.sub_blocks and not (parts and q.sub_blocks % self.kblocks == 0):
             raise ValueError(f"{self.name}: kblocks must hold whole {q.name} super-blocks ({q.sub_blocks} blocks)")
 
     def to_dict(self) -> dict:
@@ -455,6 +456,17 @@ class MmfSpec(KernelSpec):
     def threads(self) -> int:
         return 32 * self.warps
 
+    @property
+    def part_super(self) -> bool:
+        """A stage holds part of a super-block (wgmma: whole ones do not fit twice over in
+        shared memory with the dequantized rows) and copies its scales whole, every stage."""
+        return self.quant.super_meta and self.kblocks < self.quant.sub_blocks
+
+    @property
+    def meta_kblocks(self) -> int:
+        """Blocks whose scales a stage copies: its own, or its super-block's."""
+        return self.quant.sub_blocks if self.part_super else self.kblocks
+
     def check(self) -> None:
         if self.qtype not in self.QTYPES:
             raise ValueError(f"{self.name}: mmf dequantizes {', '.join(self.QTYPES)} only")
@@ -466,8 +478,8 @@ class MmfSpec(KernelSpec):
             raise ValueError(f"{self.name}: y must be a multiple of 16 * the row warps, at most 256")
         if self.kblocks not in (2, 4, 8, 16):
             raise ValueError(f"{self.name}: kblocks must be 2, 4, 8 or 16")
-        self._check_whole_super_blocks()
-        if self.kblocks * self.quant.meta_bytes < 4 and not self.quant.inline_meta:
+        self._check_whole_super_blocks(parts=self.wgmma)
+        if self.meta_kblocks * self.quant.meta_bytes < 4 and not self.quant.inline_meta:
             # a stage's scales are copied 4 bytes at a time at least (mxfp4: one byte a block)
             raise ValueError(f"{self.name}: a stage must hold 4 scale bytes: kblocks at least "
                              f"{-(-4 // self.quant.meta_bytes)} for {self.qtype}")
@@ -487,7 +499,7 @@ class MmfSpec(KernelSpec):
     def layout(self) -> dict[str, int]:
         q = self.quant
         wq_row = self.kblocks * q.qs_bytes + 16
-        wm_row = _pad16(self.kblocks * q.meta_bytes)
+        wm_row = _pad16(self.meta_kblocks * q.meta_bytes)
         x_row = self.kblocks * 64 + 32
         wq = 0
         wm = wq + self.y * wq_row

@@ -275,6 +275,12 @@ MMF_CC_MAJOR = (9,)
 # 256-row tile halves x's traffic a weight but has half the blocks: it goes where its
 # mean-routing tiles fill MMF_WGMMA_Y256_MIN_WAVES waves (Mixtral's down at 2048 tokens, 4
 # waves: 1746 against the 128-row tile's 1550 us; its gate/up at 27 waves 3270 against 3364).
+# The super-block formats (q4_K, q5_K, iq4_xs: stages of half or a quarter of one,
+# MmfSpec.part_super) take them in place of their own expert tile (MMF_EXPERT_TILE_OF) from
+# MMF_WGMMA_MIN_TOKENS_PER_EXPERT too: H200, against it, Mixtral-8x7B's experts at 1024-4096
+# tokens 0.62-0.93x, Qwen3-30B-A3B's at 128 an expert 0.82-0.99x, at 256 0.78-0.95x, at 64
+# 1.01-1.20x (not taken there); dense 0.64-0.83x the wide tile (BENCHMARKS.md "wgmma for the
+# super-block formats").
 WGMMA = True     # off: the mma.sync tiles everywhere (as MOEFORGE_WGMMA=0; scripts/dispatch_ab.py's switch)
 MMF_WGMMA_Y128 = (128, 128, 8, 4, 3)
 MMF_WGMMA_Y256 = (128, 256, 8, 2, 4)
@@ -378,7 +384,8 @@ def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
     """The rule's tile on a card of sm_count SMs (a dense product of m rows may split k; an
     expert product of few tokens an expert takes a narrower tile, MMF_NARROW_TILES, and a
     super-block format its own, MMF_EXPERT_TILE_OF). wgmma (sm_90): the warpgroup tiles in
-    place of the unsplit wide tile, for the formats that have them; the 256-row one for an
+    place of the unsplit wide tile (and of a super-block format's own from
+    MMF_WGMMA_MIN_TOKENS_PER_EXPERT), for the formats that have them; the 256-row one for an
     expert product (moe: E, top_k) of m rows whose tiles fill MMF_WGMMA_Y256_MIN_WAVES waves."""
     splits = mmf_dense_splits(n, m, sm_count) if not ids and m is not None else 1
     x, y, warps, kblocks, stages = MMF_WIDE_TILE
@@ -387,7 +394,12 @@ def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
         if tokens_per_expert is not None:
             x, y, warps, kblocks, stages = next((t for below, t in MMF_NARROW_TILES if tokens_per_expert < below),
                                                 (x, y, warps, kblocks, stages))
-    if wgmma and splits == 1 and (x, y, warps, kblocks, stages) == MMF_WIDE_TILE:
+    tile = (x, y, warps, kblocks, stages)
+    # the super-block formats' own expert tile as well, from the wgmma tiles' threshold (q5_K
+    # takes its tile from 64 tokens an expert; no count: as the narrow tiles, any)
+    own = ids and tile == MMF_EXPERT_TILE_OF.get(qtype) and \
+        (tokens_per_expert is None or tokens_per_expert >= MMF_WGMMA_MIN_TOKENS_PER_EXPERT)
+    if wgmma and splits == 1 and (tile == MMF_WIDE_TILE or own):
         wide = ids and moe is not None and m is not None and \
             moe_tiles(*moe, m, n, MMF_WGMMA_Y256[0], MMF_WGMMA_Y256[1]) >= MMF_WGMMA_Y256_MIN_WAVES * sm_count
         for t in ((MMF_WGMMA_Y256, MMF_WGMMA_Y128) if wide else (MMF_WGMMA_Y128,)):

@@ -189,7 +189,8 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 127).path != "mmf"
     short = dispatch.choose_mul_mat("q4_0", 5120, 2048, 128)                  # dense from 128 tokens
     assert short.path == "mmf" and short.spec.x == 128 and short.spec.splits == 3   # 40 tiles, 64 SMs
-    assert dispatch.choose_mul_mat("q4_K", 5120, 2048, 512).spec.kblocks == 8      # whole super-blocks
+    assert dispatch.choose_mul_mat("q4_K", 5120, 2048, 512).spec.kblocks == 4      # wgmma: half a super-block
+    assert dispatch.choose_mul_mat("q4_K", 2048, 4096, 512).spec.kblocks == 8      # split: whole ones
     moe = dispatch.choose_mul_mat_id("q8_0", 128, 8, 768, 2048, 4096)   # 256 an expert
     assert moe.path == "mmf_id" and moe.spec.ids and moe.spec.x == 128
     # q4_0 at 128 an expert: the wgmma tile (its mma.sync tiles only tie the int8 ones there)
@@ -197,16 +198,24 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     monkeypatch.setattr(dispatch, "WGMMA", False)
     assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 2048).path != "mmf_id"
     monkeypatch.setattr(dispatch, "WGMMA", True)
-    # q8_0, q4_K and iq4_xs from 128 tokens an expert; the super-block formats on x64y256
-    # (q8_0's the wgmma tiles, the 256-row one where its tiles fill 8 waves of the 64 SMs set
-    # above: 768 tiles at 4096 tokens, 384 at 2048)
-    for qtype, tiles_xy in (("q8_0", [(128, 128), (128, 256), (128, 256)]), ("q4_K", [(64, 256)] * 3),
-                            ("iq4_xs", [(64, 256)] * 3)):
+    # q8_0, q4_K and iq4_xs from 128 tokens an expert, on the wgmma tiles: the 256-row one
+    # where its tiles fill 8 waves of the 64 SMs set above (768 tiles at 4096 tokens, 384 at
+    # 2048); the super-block formats' stages hold half or a quarter of one
+    for qtype in ("q8_0", "q4_K", "iq4_xs"):
         tiles = [dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, n) for n in (1024, 2048, 4096, 16384)]
         assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 3
-        assert [(c.spec.x, c.spec.y) for c in tiles[1:]] == tiles_xy
-        assert all(c.spec.wgmma == (qtype == "q8_0") for c in tiles[1:])
-        assert dispatch.choose_mul_mat(qtype, 2048, 4096, 2048).spec.x == 128     # dense: the wide tile
+        assert [(c.spec.x, c.spec.y, c.spec.kblocks) for c in tiles[1:]] == [(128, 128, 4), (128, 256, 2),
+                                                                             (128, 256, 2)]
+        assert all(c.spec.wgmma for c in tiles[1:])
+        wide = dispatch.choose_mul_mat(qtype, 2048, 4096, 2048).spec
+        assert wide.x == 128 and wide.wgmma                                    # dense: the wide tile's
+        with monkeypatch.context() as mp:                                        # without wgmma: mma.sync
+            mp.setattr(dispatch, "WGMMA", False)
+            spec = dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, 4096).spec
+            assert not spec.wgmma and (spec.x, spec.y) == ((128, 128) if qtype == "q8_0" else (64, 256))
+    # q5_K's own tile from 64 tokens an expert, the wgmma tiles from 128
+    assert [dispatch.choose_mul_mat_id("q5_K", 128, 8, 768, 2048, n).spec.wgmma for n in (1024, 2048)] == \
+        [False, True]
     # q3_K's and q2_K's int8 tiles pay two products a block: their f16 tiles from 16 tokens an
     # expert, narrower below 64
     for qtype in ("q2_K", "q3_K"):
@@ -267,8 +276,11 @@ def test_a_tile_past_sm90s_shared_memory_comes_with_one_stage_fewer(monkeypatch)
     assert all(s.smem_bytes() <= SM90_SMEM_PER_BLOCK for s in mmf_specs(quant_type("q4_K")) if s.stages == 2)
     assert len(mmf_specs(quant_type("q4_K"))) == len(built) - 2      # every other format: nothing added
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
-    assert dispatch.mmf_choice("q5_K", 2048, 128.0).spec == two
     assert dispatch.mmf_choice("q5_K", 1024, 64.0).spec == two
+    assert dispatch.mmf_choice("q5_K", 2048, 127.0).spec == two
+    assert dispatch.mmf_choice("q5_K", 2048, 128.0).spec.wgmma       # the wgmma tiles from 128
+    monkeypatch.setattr(dispatch, "WGMMA", False)
+    assert dispatch.mmf_choice("q5_K", 2048, 128.0).spec == two
     assert dispatch.mmf_choice("q5_K", 512, 32.0) is None
 
 
@@ -384,7 +396,14 @@ def test_wgmma_tiles_are_sm90_instances_with_aligned_swizzled_panels(tmp_path):
             dataclasses.replace(spec, **bad).check()
     built = {q: mmf_wgmma_specs(quant_type(q)) for q in MmfSpec.QTYPES}
     assert spec in built["q4_0"] and all(s.smem_bytes() <= SM90_SMEM_PER_BLOCK for v in built.values() for s in v)
-    assert built["q4_K"] == [] and built["iq4_xs"] == []     # stages of whole super-blocks do not fit
+    # stages of whole super-blocks do not fit: the super-block formats' hold half or a quarter
+    # of one and its scales, whole (MmfSpec.part_super)
+    for q in ("q4_K", "q5_K", "iq4_xs"):
+        sb = quant_type(q).sub_blocks
+        assert [(s.kblocks, s.part_super, s.meta_kblocks) for s in built[q] if s.ids] == [(4, True, sb), (2, True, sb)]
+        assert all(s.layout()["wm_row"] >= sb * quant_type(q).meta_bytes for s in built[q])
+    with pytest.raises(ValueError, match="whole q4_K super-blocks"):
+        MmfSpec("q4_K", 128, 128, 4, 4, 2, ids=True).check()       # the mma.sync tiles' stages hold whole ones
     dense = MmfSpec("q8_0", 128, 128, 8, 4, 3, ids=False, wgmma=True)
     ck = compile_spec(dense, "sm_90", tmp_path)
     assert ck.info[dense.symbol]["spill_stores"] == 0 and ck.cubin.exists()

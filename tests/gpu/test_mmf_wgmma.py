@@ -77,7 +77,7 @@ def test_mul_mat(rng, spec, m, k, n):
              ref.mul_mat_float(ref.dequantize(raw, spec.qtype, (m, k)), x))
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_K", "q5_K"])
 def test_long_rows(rng, qtype):
     """Mixtral's down product, k = 14336, on both tiles: held to the k-scaled bar of the
     truncating float32 sums (ref.nmse_emulated_bar) as the mma.sync tiles are."""
