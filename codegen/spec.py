@@ -429,7 +429,7 @@ class MmfSpec(KernelSpec):
     wn: int = 1          # warps along the tile's tokens (the others split its rows)
     splits: int = 1      # blocks sharing an output tile's k (partials summed in order by mmf_split_sum)
     wgmma: bool = False  # sm_90a warpgroup MMA: the stage's rows dequantized once into shared memory
-    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4")
+    QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
 
     @property

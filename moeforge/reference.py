@@ -179,11 +179,12 @@ def f16_weights(raw: np.ndarray, qtype, rows: int, k: int) -> np.ndarray:
         s = (d2.astype(np.float64) * sc).astype(np.float16).astype(np.float64)[..., None]
         m = (m2.astype(np.float64) * mn).astype(np.float16).astype(np.float64)[..., None]
         return (qv.reshape(-1, 16, 16).astype(np.float64) * s - m).astype(np.float16).reshape(rows, k)
-    if q.name == "q3_K":
-        # (q - 4) * f16(d * sc), the product rounded once (the kernel's f16 multiply)
-        from .runtime.array_blocks import q3_k_parts
+    if q.name in ("q3_K", "q6_K"):
+        # (q - 4) * f16(d * sc) (q6_K: q - 32), the product rounded once (the kernel's f16 multiply)
+        from .runtime.array_blocks import q3_k_parts, q6_k_parts
         nsb = k // q.block_values
-        qv, sc, d3 = q3_k_parts(np.asarray(raw, dtype=np.uint8).reshape(rows * nsb, q.block_bytes))
+        parts = q3_k_parts if q.name == "q3_K" else q6_k_parts
+        qv, sc, d3 = parts(np.asarray(raw, dtype=np.uint8).reshape(rows * nsb, q.block_bytes))
         s = (d3.astype(np.float64) * sc).astype(np.float16).astype(np.float64)[..., None]
         return (qv.reshape(-1, 16, 16).astype(np.float64) * s).astype(np.float16).reshape(rows, k)
     ints, mul, add = _kernel_view(raw, q, rows, k)

@@ -240,7 +240,13 @@ MMF_MIN_TOKENS_PER_EXPERT = 256
 # q3_K n=512 (32 an expert) 228.4 against 159.5 us, n=1024 (64) 230.5 against 261.1, n=2048
 # 357.5 against 451.1, n=4096 590.1 against 968.2; q2_K 229.5 against 178.9, 234.0 against
 # 289.2, 357.7 against 514.6, 594.2 against 1123.9.
-MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16, "q5_K": 64, "q4_K": 128, "iq4_xs": 128, "q8_0": 128}
+# q6_K (its int8 tiles pay two k16 IMMA and the scale IMADs a fragment, as q3_K's) from 64:
+# H200, against the int8 default, Qwen3 experts n=1024 (64 an expert) gate/up 440.3 against
+# 575.4 us, down 271.2 against 334.2, Mixtral-8x7B's at 64 0.72x and 0.71x, from 128
+# 0.43-0.63x; at 16 and 32 the narrow tiles tie (0.94-1.02x: not taken; BENCHMARKS.md "q6_K
+# on f16 tiles").
+MMF_MIN_TOKENS_PER_EXPERT_OF = {"q2_K": 16, "q3_K": 16, "q5_K": 64, "q6_K": 64, "q4_K": 128, "iq4_xs": 128,
+                                "q8_0": 128}
 # q4_K, iq4_xs and q8_0 from 128 tokens an expert, where their int8 tiles fall behind (H200,
 # hot, Qwen3 experts, one call, BENCHMARKS.md "f16 tiles from 128 tokens an expert": n=2048,
 # q4_K x64y256 359.9 against the int8 x32 tile's 401.0 us, iq4_xs 380.7 against 432.0, q8_0's
@@ -265,6 +271,9 @@ MMF_NARROW_TILES = ((32, (32, 256, 8, 8, 2)), (64, (64, 256, 8, 4, 3)))
 # against the wide tile's 843.7 and the int8 default's 862.5).
 MMF_EXPERT_TILE_OF = {"q4_K": (64, 256, 8, 4, 3), "iq4_xs": (64, 256, 8, 4, 3), "q5_K": (64, 256, 8, 4, 2)}
 MMF_CC_MAJOR = (9,)
+# the formats the rules give f16 tiles: all that have them (a format's A/B switch:
+# scripts/dispatch_ab.py MODEL "MMF_TYPES=('q4_K',)")
+MMF_TYPES = MmfSpec.QTYPES
 # sm_90a's warpgroup MMA in place of the wide mma.sync tile (unsplit): the stage's rows
 # dequantized once into shared memory for both warpgroups, x and the rows read by the
 # tensor cores from 128-byte-swizzled panels (MmfSpec.wgmma). H200, q4_0, against the wide
@@ -358,7 +367,7 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     tiles (wgmma_available) every format that has them from 128 at most
     (MMF_WGMMA_MIN_TOKENS_PER_EXPERT). moe: (E, top_k) of an expert product, whose tile
     count picks the wgmma tile's rows."""
-    if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MmfSpec.QTYPES:
+    if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MMF_TYPES:
         return None
     ids = tokens_per_expert is not None
     min_per_expert = MMF_MIN_TOKENS_PER_EXPERT_OF.get(qtype, MMF_MIN_TOKENS_PER_EXPERT)

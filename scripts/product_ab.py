@@ -6,6 +6,10 @@ dispatch rule on the card at hand, with the tile count and waves each side runs.
         the expert products' default int8 tile against the same tile with stream-k
     python3 scripts/product_ab.py dense-f16 [--types q4_0,q8_0] [--n 64,128,256,512]
         the dense products' default int8 tile against the f16 tile the rule takes from 512
+    python3 scripts/product_ab.py f16 [--types q6_K] [--n 128,...] [--dense-n 128,...]
+        what runs without the f16 tiles (MOEFORGE_MMF=0: the int8 tiles) against the f16
+        tile the rule takes at that count (wgmma where the card has it), at every count, to
+        place a format's threshold
     python3 scripts/product_ab.py wgmma [--types q4_0,q8_0] [--n 256,...] [--dense-n 128,...]
         what runs without the wgmma tiles (MOEFORGE_WGMMA=0: the profile's or the rules'
         choice) against the wgmma tile the rule takes at that count (the expert products
@@ -100,9 +104,35 @@ def wgmma_pairs(types, models, ns, dense_ns):
     return pairs
 
 
+def f16_pairs(types, models, ns, dense_ns):
+    import os
+    sm, wgmma = dispatch.device_sm_count(), dispatch.wgmma_available()
+
+    def int8(choose):
+        os.environ["MOEFORGE_MMF"] = "0"
+        try:
+            return choose()
+        finally:
+            del os.environ["MOEFORGE_MMF"]
+    pairs = []
+    for (model, prod), (E, top_k, m, k) in EXPERTS.items():
+        for q in types:
+            for n in ns if not models or model in models else ():
+                b = dispatch.mmf_rule_spec(q, n, True, m, sm, n * top_k / E, wgmma, (E, top_k))
+                a = int8(lambda: dispatch.choose_mul_mat_id(q, E, top_k, m, k, n))
+                pairs.append(((model, prod, TuneKey("mul_mat_id", q, (E, top_k, m, k), n)), a, Choice("mmf_id", b)))
+    for (model, prod), (m, k) in DENSE.items():
+        for q in types:
+            for n in dense_ns if not models or model in models else ():
+                b = dispatch.mmf_rule_spec(q, n, False, m, sm, None, wgmma)
+                a = int8(lambda: dispatch.choose_mul_mat(q, m, k, n))
+                pairs.append(((model, prod, TuneKey("mul_mat", q, (1, 1, m, k), n)), a, Choice("mmf", b)))
+    return pairs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("streamk", "dense-f16", "wgmma"))
+    ap.add_argument("mode", choices=("streamk", "dense-f16", "wgmma", "f16"))
     ap.add_argument("--dense-n", default="128,256,512,2048")
     ap.add_argument("--types", default="q4_0")
     ap.add_argument("--n", default=None)
@@ -128,6 +158,9 @@ def main() -> None:
     elif a.mode == "wgmma":
         pairs = wgmma_pairs(types, models, [int(v) for v in (a.n or "256,512,1024,2048,4096").split(",")],
                             [int(v) for v in a.dense_n.split(",")])
+    elif a.mode == "f16":
+        pairs = f16_pairs(types, models, [int(v) for v in (a.n or "128,256,512,1024,2048,4096").split(",")],
+                          [int(v) for v in a.dense_n.split(",")])
     else:
         ns = [int(v) for v in (a.n or "64,128,256,512").split(",")]
         sm = dispatch.device_sm_count()

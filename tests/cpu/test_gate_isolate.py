@@ -47,8 +47,9 @@ def test_subset_reference_equals_the_full_reference(rng, qtype):
     out = full.astype(np.float32)
     res = gate.compare(r.pick(out), r)
     assert res["nmse_emulated"] <= gate.NMSE_EMULATED and res["nmse_float"] <= gate.NMSE_FLOAT
-    # the f16 tiles' reference only where the type has them (q6_K has none)
-    assert (r.emulated_f16 is None) == (qtype == "q6_K")
+    # the f16 tiles' own rounding, every type having them
+    np.testing.assert_allclose(r.emulated_f16, r.pick(ref.mul_mat_id_emulated_f16(raw, qtype, (E, m, k), x, ids)),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_compare_catches_unwritten_and_wrong_outputs(rng):

@@ -75,6 +75,28 @@ def test_q3_k_f16_weights_round_the_scale_then_the_product(rng):
     assert np.abs(got.astype(np.float32) - gguf_w).max() <= 4e-3 * np.abs(gguf_w).max()
 
 
+def test_q6_k_f16_weights_round_the_scale_then_the_product(rng):
+    """q6_K in f16: (q - 32) * f16(d*sc), as q3_K's, q decoded here from the GGUF bytes
+    with ggml's loop (ql nibbles, qh pairs, a scale a 16 weights) rather than the split's."""
+    rows, k = 10, 768
+    raw = ref.random_blocks("q6_K", rows, k, rng)
+    got = ref.f16_weights(raw, "q6_K", rows, k)
+    b = raw.reshape(-1, 210)
+    ql, qh, sc = b[:, :128].astype(np.int32), b[:, 128:192].astype(np.int32), b[:, 192:208].view(np.int8)
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+    q = np.empty((len(b), 256), dtype=np.int32)
+    for h in range(2):            # each 128-weight half: 64 ql bytes, 32 qh bytes
+        L, H = ql[:, 64 * h:64 * h + 64], qh[:, 32 * h:32 * h + 32]
+        for j, (lo, shift) in enumerate(((L[:, :32] & 15, 0), (L[:, 32:] & 15, 2), (L[:, :32] >> 4, 4),
+                                         (L[:, 32:] >> 4, 6))):
+            q[:, 128 * h + 32 * j:128 * h + 32 * j + 32] = (lo | (((H >> shift) & 3) << 4)) - 32
+    s16 = (d * sc.astype(np.float32)).astype(np.float16).astype(np.float32)          # (blocks, 16)
+    want = (q.reshape(-1, 16, 16).astype(np.float32) * s16[..., None]).reshape(rows, k)
+    np.testing.assert_array_equal(got, want.astype(np.float16))
+    gguf_w = ref.dequantize(raw, "q6_K", (rows, k))
+    assert np.abs(got.astype(np.float32) - gguf_w).max() <= 4e-3 * np.abs(gguf_w).max()
+
+
 def test_q2_k_f16_weights_round_the_scales_then_the_fma(rng):
     """q2_K in f16: q * f16(d*sc) - f16(dmin*m), one rounding (q4_K's form, with 16-weight
     scales and mins); bit for bit a float32 fma of the same (exact: 2 x 11 bits, then one
@@ -335,8 +357,8 @@ def test_bench_sweep_times_every_generated_f16_tile(monkeypatch):
         choices = _choices("sweep", qtype, qwen, 512)
         f16 = [c for c in choices if c.path == "mmf_id"]
         wgmma = [s for s in mmf_wgmma_specs(quant_type(qtype)) if s.ids]     # sm_90 (cc 9 above)
-        assert len(f16) == (len(MMF_TILES) + len(wgmma) if qtype != "q6_K" else 0)
-        assert {c.spec for c in f16} >= set(wgmma) and (qtype == "q6_K" or wgmma)
+        assert len(f16) == len(MMF_TILES) + len(wgmma)
+        assert {c.spec for c in f16} >= set(wgmma) and wgmma
         assert all(c.spec in built for c in choices)
         assert not [c for c in _choices("sweep", qtype, qwen, 8) if c.path == "mmf_id"]
 

@@ -69,7 +69,7 @@ def _compare(got, emu, flt, k=0):
     assert e_flt <= NMSE_FLOAT, f"NMSE vs float64 {e_flt:.3e}"
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("E,top_k,m,k,n,skew,per_slot", [
     (8, 2, 96, 256, 33, False, False), (32, 4, 200, 416, 77, True, False), (128, 8, 72, 160, 300, True, False),
@@ -122,7 +122,7 @@ def test_long_rows(rng, qtype, tile):
              ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids), k)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("n", [520, 2100])
 def test_the_rules_choice_past_its_threshold(rng, qtype, n):
     """What dispatch runs with no choice given, at 130 and 525 tokens an expert (8 experts,
@@ -145,7 +145,7 @@ def test_the_rules_choice_past_its_threshold(rng, qtype, n):
              ref.mul_mat_id_float(ref.dequantize(raw, qtype, (E, m, k)), x, ids))
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "iq4_xs", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4"])
 @pytest.mark.parametrize("spec_i", range(len(SPECS)))
 @pytest.mark.parametrize("m,k,n", [(200, 416, 77), (5120 // 8, 2048, 512), (72, 96, 9)])
 def test_mul_mat(rng, qtype, spec_i, m, k, n):
