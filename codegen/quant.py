@@ -71,6 +71,11 @@ class QuantType:
     # f16 tiles hold 2^(e - 128) * level as f16, usable while a tensor's largest scale byte
     # lies in this range (QuantTensor.f16_fits); None where the scale is an f16.
     f16_scale_bytes: tuple[int, int] | None = None
+    # Where a GGUF block holds its f16 scales, each with the largest integer it multiplies in
+    # a weight (q6_K: d times an int8 scale times q - 32, |.| <= 128 * 32): the f16 tiles hold
+    # a tensor while the sum of its largest |scale| times those stays within f16
+    # (QuantTensor.f16_fits), where the int8 tiles' float32 scales always would.
+    f16_scales: tuple[tuple[int, int], ...] = ()
 
     @property
     def sub_blocks(self) -> int:
@@ -161,38 +166,44 @@ QUANT_TYPES: dict[str, QuantType] = {
     q.name: q
     for q in (
         # d (f16) then 16 bytes of nibbles: low nibbles are values 0..15, high 16..31
-        QuantType("q4_0", gguf.GGMLQuantizationType.Q4_0, 32, 18, 2, 16),
+        QuantType("q4_0", gguf.GGMLQuantizationType.Q4_0, 32, 18, 2, 16, f16_scales=((0, 8),)),
         # d (f16) then 32 signed bytes
-        QuantType("q8_0", gguf.GGMLQuantizationType.Q8_0, 32, 34, 2, 32),
+        QuantType("q8_0", gguf.GGMLQuantizationType.Q8_0, 32, 34, 2, 32, f16_scales=((0, 128),)),
         # super-block of 256: d, dmin (f16), 12 bytes of eight 6-bit (scale, min) pairs,
         # 128 bytes of nibbles; sub-block i: w = d * sc_i * q - dmin * m_i
-        QuantType("q4_K", gguf.GGMLQuantizationType.Q4_K, 256, 144, 16, 16, paired_nibbles=True),
+        QuantType("q4_K", gguf.GGMLQuantizationType.Q4_K, 256, 144, 16, 16, paired_nibbles=True,
+                  f16_scales=((0, 63 * 15), (2, 63))),
         # q4_K's super-block with a fifth bit a weight: d, dmin, the 12 scale bytes, 32 bytes
         # of high bits (bit i of byte l: value l of sub-block i), 128 bytes of nibbles; the
         # split keeps the super-block's 16 scale bytes and gives each kernel block one word
         # of its high bits (quant_q5_K.cuh.j2): 48 meta bytes a super-block, the file's 5.5
         # bits a weight.
-        QuantType("q5_K", gguf.GGMLQuantizationType.Q5_K, 256, 176, 48, 16, paired_nibbles=True, high_bits=1),
+        QuantType("q5_K", gguf.GGMLQuantizationType.Q5_K, 256, 176, 48, 16, paired_nibbles=True, high_bits=1,
+                  f16_scales=((0, 63 * 31), (2, 63))),
         # super-block of 256: sixteen bytes of 4-bit (scale, min) pairs (one a 16 weights), 64
         # bytes of 2-bit quants, d and dmin (f16); w = d * sc * q - dmin * m. The split packs
         # a kernel block's quants, its two scale bytes, d and dmin into its 16 qs bytes
         # (quant_q2_K.cuh.j2): 4 bits a weight on the GPU, the file's 2.625.
-        QuantType("q2_K", gguf.GGMLQuantizationType.Q2_K, 256, 84, 0, 16, inline_meta=True, half_mins=True),
+        QuantType("q2_K", gguf.GGMLQuantizationType.Q2_K, 256, 84, 0, 16, inline_meta=True, half_mins=True,
+                  f16_scales=((80, 15 * 3), (82, 15))),
         # super-block of 256: 32 bytes of high bits (hmask), 64 of 2-bit low parts, 12 bytes
         # of sixteen 6-bit scales (one a 16 weights), d (f16); w = d * (s - 32) * (q - 4).
         # The split packs a kernel block's low parts, high bits, two scales and d into its
         # 16 qs bytes (quant_q3_K.cuh.j2): 4 bits a weight on the GPU, the file's 3.4375.
-        QuantType("q3_K", gguf.GGMLQuantizationType.Q3_K, 256, 110, 0, 16, inline_meta=True),
+        QuantType("q3_K", gguf.GGMLQuantizationType.Q3_K, 256, 110, 0, 16, inline_meta=True,
+                  f16_scales=((108, 32 * 4),)),
         # super-block of 256: 128 bytes of low nibbles (ql), 64 of 2-bit high parts (qh),
         # sixteen int8 scales (one a 16 weights), d (f16); w = d * sc * (q - 32). The split
         # gives each kernel block 12 meta bytes: its high bits, its two scales, d
         # (quant_q6_K.cuh.j2): 7 bits a weight on the GPU, the file's 6.5625.
-        QuantType("q6_K", gguf.GGMLQuantizationType.Q6_K, 256, 210, 0, 16, high_bits=2, own_meta_bytes=12),
+        QuantType("q6_K", gguf.GGMLQuantizationType.Q6_K, 256, 210, 0, 16, high_bits=2, own_meta_bytes=12,
+                  f16_scales=((208, 128 * 32),)),
         # super-block of 256: d (f16), 2 bytes of the eight 6-bit scales' top two bits, 4
         # bytes of their low nibbles, 128 bytes of 4-bit indices in q4_0's order a 32-weight
         # sub-block; w = d * (ls_i - 32) * IQ4_VALUES[index]. The 8 bytes before the indices
         # are the meta, as they are (quant_iq4_xs.cuh.j2): 4.25 bits a weight.
-        QuantType("iq4_xs", gguf.GGMLQuantizationType.IQ4_XS, 256, 136, 8, 16, codebook=IQ4_VALUES),
+        QuantType("iq4_xs", gguf.GGMLQuantizationType.IQ4_XS, 256, 136, 8, 16, codebook=IQ4_VALUES,
+                  f16_scales=((0, 32 * 127),)),
         # gpt-oss's experts: a block of 32 is an e8m0 scale byte (2^(e - 128) with the levels
         # doubled) then 16 bytes of 4-bit e2m1 codes in q4_0's order; w = d * MXFP4_VALUES[code].
         # In f16: 12 * 2^12 < 65504 (e <= 140), and the largest blocks normal (e >= 114).

@@ -18,7 +18,7 @@ def split_blocks(raw, q: QuantType, rows: int, k: int):
     """GGUF blocks (rows x row_bytes, uint8) -> (qs [rows, nb*qs_bytes], meta [rows, meta_stride]),
     nb kernel blocks a row. Array operations only, so that a CuPy array splits on its device
     with the same bits (QuantTensor.from_blocks: the host only reads the file)."""
-    xp = _array_module(raw)
+    xp = array_module(raw)
     nb = q.blocks_per_row(k)
     nsb = nb // q.sub_blocks
     span = q.qs_bytes * q.sub_blocks
@@ -40,7 +40,7 @@ def split_blocks(raw, q: QuantType, rows: int, k: int):
     return xp.ascontiguousarray(qs).reshape(rows, nb * q.qs_bytes), meta
 
 
-def _array_module(a):
+def array_module(a):
     """numpy for host arrays, cupy for device ones (imported only when one is given)."""
     if isinstance(a, np.ndarray):
         return np

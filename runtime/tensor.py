@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from ..codegen.quant import QuantType, quant_type
-from .block_split import join_blocks, split_blocks
+from .block_split import array_module, join_blocks, split_blocks
 
 _ALIGN = 256
 
@@ -20,10 +20,33 @@ def _numel(shape) -> int:
     return math.prod(shape)
 
 
+F16_MAX = 65504.0
+
+
+def blocks_fit_f16(raw, q: QuantType) -> bool:
+    """Whether the f16 tiles (MmfSpec) can hold these GGUF blocks (numpy or CuPy, uint8):
+    for an e8m0 scale (mxfp4) while the largest scale byte lies in the format's range
+    (QuantType.f16_scale_bytes: no weight past 65504, the largest blocks normal f16
+    numbers); for f16 scales while the largest |scale| times the largest integer it
+    multiplies, summed over the block's scales (QuantType.f16_scales), stays within f16 (a
+    NaN or infinite scale does not). Blocks far below the largest round as f16
+    subnormals, as any weights converted to f16 do."""
+    blocks = raw.reshape(-1, q.block_bytes)
+    if q.f16_scale_bytes is not None:
+        lo, hi = q.f16_scale_bytes
+        return lo <= int(blocks[:, 0].max()) <= hi      # the e8m0 byte leads each block
+    xp = array_module(blocks)
+    bound = 0.0
+    for at, factor in q.f16_scales:
+        d = xp.ascontiguousarray(blocks[:, at:at + 2]).view(xp.float16).astype(xp.float32)
+        bound += float(xp.abs(d).max()) * factor
+    return bound <= F16_MAX
+
+
 class QuantTensor:
     """Quantized weights on the GPU: (E, m, k) for experts, (m, k) for a matrix."""
 
-    def __init__(self, buffer, quant: QuantType, shape: tuple[int, ...]):
+    def __init__(self, buffer, quant: QuantType, shape: tuple[int, ...], f16_fits: bool | None = None):
         if len(shape) not in (2, 3):
             raise ValueError(f"shape must be (m, k) or (E, m, k), got {shape}")
         self.quant = quant
@@ -33,20 +56,9 @@ class QuantTensor:
         self.buffer = buffer
         self.qs_offset = 0
         self.meta_offset = self._meta_offset(self.rows, self.nb, quant)
-        self.f16_fits = self._f16_fits()
-
-    def _f16_fits(self) -> bool:
-        """Whether the f16 tiles (MmfSpec) can hold these weights: always for formats with f16
-        scales; for an e8m0 scale (mxfp4) while the largest scale byte lies in the format's
-        range (QuantType.f16_scale_bytes: no weight past 65504, the largest blocks normal
-        f16 numbers). Blocks far below the largest round as f16 subnormals, as any weights
-        converted to f16 do. Read once, here (meta padding is zeros: it never raises the
-        maximum), so that dispatch needs no host read."""
-        window = self.quant.f16_scale_bytes
-        if window is None:
-            return True
-        top = int(self.buffer[self.meta_offset:self.meta_offset + self.rows * self.meta_stride].max())
-        return window[0] <= top <= window[1]
+        # read once, so that dispatch needs no host read: from the GGUF bytes where the
+        # tensor is built from them (from_blocks), else from this buffer joined back
+        self.f16_fits = blocks_fit_f16(self.to_blocks(), quant) if f16_fits is None else bool(f16_fits)
 
     @staticmethod
     def _meta_offset(rows: int, nb: int, q: QuantType) -> int:
@@ -109,12 +121,13 @@ class QuantTensor:
         # to the device as they are and split there: the host only reads the bytes (the
         # file's pages); on the host the split of q4_K's nibbles ran at ~0.13 GB/s, a
         # minute for a 16 GiB model
-        qs, meta = split_blocks(cp.asarray(raw), q, rows, k)
+        dev = cp.asarray(raw)
+        qs, meta = split_blocks(dev, q, rows, k)
         meta_off = cls._meta_offset(rows, q.blocks_per_row(k), q)
         buf = cp.zeros(meta_off + meta.size, dtype=cp.uint8)
         buf[:qs.size] = qs.reshape(-1)
         buf[meta_off:] = meta.reshape(-1)
-        return cls(buf, q, shape)
+        return cls(buf, q, shape, blocks_fit_f16(dev, q))
 
     @classmethod
     def from_float(cls, array, qtype: str | QuantType) -> "QuantTensor":

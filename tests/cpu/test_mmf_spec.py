@@ -164,6 +164,42 @@ def test_mxfp4_tensors_say_whether_their_scales_fit_f16(rng):
     assert tensor(ref.random_blocks("q4_0", rows, k, rng), quant_type("q4_0")).f16_fits
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs"])
+def test_f16_scaled_tensors_fit_f16_while_their_largest_weight_does(rng, qtype):
+    """blocks_fit_f16 for the formats with f16 scales: random blocks fit; one scale raised
+    until the largest weight it can make passes 65504 does not (nor a NaN or infinite
+    scale). The bound holds gguf's own weights (every scale 1: no weight of random blocks
+    past it) and is close to what they reach (within a third: q2_K's mins add to its
+    scales' products only where d and dmin differ in sign). A QuantTensor built on the host
+    from its buffer alone reads it the same way (the buffer joined back)."""
+    from moeforge.codegen.quant import quant_type
+    from moeforge.runtime.block_split import split_blocks
+    from moeforge.runtime.tensor import F16_MAX, QuantTensor, blocks_fit_f16
+    q = quant_type(qtype)
+    rows, k = 4, 256
+    raw = ref.random_blocks(qtype, rows, k, rng)
+    assert blocks_fit_f16(raw, q)
+    at, factor = q.f16_scales[0]
+    for d, fits in ((F16_MAX / factor * 0.999, True), (F16_MAX / factor * 1.01, False), (np.nan, False),
+                    (np.inf, False)):
+        big = raw.copy().reshape(-1, q.block_bytes)
+        b = rng.integers(len(big))
+        big[b, at:at + 2] = np.array([d], dtype=np.float16).view(np.uint8)
+        for other, _ in q.f16_scales[1:]:
+            big[:, other:other + 2] = np.zeros(len(big), dtype=np.float16).view(np.uint8).reshape(-1, 2)
+        assert blocks_fit_f16(big, q) == fits, (d, fits)
+    ones = ref.random_blocks(qtype, 64, 1024, rng).reshape(-1, q.block_bytes)
+    for at, _ in q.f16_scales:
+        ones[:, at:at + 2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    top, bound = np.abs(ref.dequantize(ones.reshape(64, -1), qtype, (64, 1024))).max(), sum(f for _, f in q.f16_scales)
+    assert top <= bound <= 1.34 * top, (top, bound)
+    qs, meta = split_blocks(raw.reshape(rows, -1), q, rows, k)
+    off = QuantTensor._meta_offset(rows, q.blocks_per_row(k), q)
+    buf = np.zeros(off + meta.size, dtype=np.uint8)
+    buf[:qs.size], buf[off:] = qs.reshape(-1), meta.reshape(-1)
+    assert QuantTensor(buf, q, (rows, k)).f16_fits and not QuantTensor(buf, q, (rows, k), f16_fits=False).f16_fits
+
+
 def test_an_mxfp4_tensor_past_f16_takes_the_int8_tiles(monkeypatch):
     """choose(..., f16=False): never the f16 tiles, neither the rule's nor a profile's."""
     from moeforge.runtime import dispatch, profiles_hook
