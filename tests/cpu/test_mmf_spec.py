@@ -164,6 +164,16 @@ def test_mxfp4_tensors_say_whether_their_scales_fit_f16(rng):
     assert tensor(ref.random_blocks("q4_0", rows, k, rng), quant_type("q4_0")).f16_fits
 
 
+def test_every_f16_tile_format_says_how_its_weights_fit_f16():
+    """A format with f16 tiles has its guard (QuantTensor.f16_fits): its f16 scales' places
+    and factors, or mxfp4's window of e8m0 bytes; the places inside the block."""
+    from moeforge.codegen.quant import quant_type
+    for name in MmfSpec.QTYPES:
+        q = quant_type(name)
+        assert bool(q.f16_scales) != (q.f16_scale_bytes is not None), name
+        assert all(0 <= at <= q.block_bytes - 2 and factor > 0 for at, factor in q.f16_scales), name
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs"])
 def test_f16_scaled_tensors_fit_f16_while_their_largest_weight_does(rng, qtype):
     """blocks_fit_f16 for the formats with f16 scales: random blocks fit; one scale raised
