@@ -125,7 +125,7 @@ class Case:
         raw = ref.random_blocks(qtype, E * m, k, rng)
         w0 = QuantTensor.from_blocks(raw, qtype, (E, m, k))
         copies = max(2, math.ceil(4 * l2_bytes / w0.nbytes)) if cold else 1
-        self.weights = [w0] + [QuantTensor(w0.buffer.copy(), w0.quant, w0.shape, w0.f16_fits) for _ in range(copies - 1)]
+        self.weights = [w0] + [w0.copy() for _ in range(copies - 1)]
         self.rng, self.shape = rng, shape
 
     def inputs(self, n: int, sets: int = COLD_SETS):

@@ -29,7 +29,7 @@ def _weights(qtype, E, n_ff, k, rng, copies):
     up = QuantTensor.from_blocks(np.ascontiguousarray(half[:, n_ff:]), qtype, (E, n_ff, k))
     sets = [(gu, gate, up)]
     for _ in range(copies - 1):
-        sets.append(tuple(QuantTensor(t.buffer.copy(), t.quant, t.shape, t.f16_fits) for t in (gu, gate, up)))
+        sets.append(tuple(t.copy() for t in (gu, gate, up)))
     return sets
 
 

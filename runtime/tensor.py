@@ -60,6 +60,10 @@ class QuantTensor:
         # tensor is built from them (from_blocks), else from this buffer joined back
         self.f16_fits = blocks_fit_f16(self.to_blocks(), quant) if f16_fits is None else bool(f16_fits)
 
+    def copy(self) -> "QuantTensor":
+        """The same weights in a buffer of their own (benchmarks rotate copies past the L2)."""
+        return QuantTensor(self.buffer.copy(), self.quant, self.shape, self.f16_fits)
+
     @staticmethod
     def _meta_offset(rows: int, nb: int, q: QuantType) -> int:
         return -(-(rows * nb * q.qs_bytes) // _ALIGN) * _ALIGN

@@ -7,7 +7,7 @@ dispatch rule on the card at hand, with the tile count and waves each side runs.
     python3 scripts/product_ab.py dense-f16 [--types q4_0,q8_0] [--n 64,128,256,512]
         the dense products' default int8 tile against the f16 tile the rule takes from 512
     python3 scripts/product_ab.py f16 [--types q6_K] [--n 128,...] [--dense-n 128,...]
-        what runs without the f16 tiles (MOEFORGE_MMF=0: the int8 tiles) against the f16
+        what runs without the f16 tiles (dispatch.MMF_TYPES empty: the int8 tiles) against the f16
         tile the rule takes at that count (wgmma where the card has it), at every count, to
         place a format's threshold
     python3 scripts/product_ab.py wgmma [--types q4_0,q8_0] [--n 256,...] [--dense-n 128,...]
@@ -77,56 +77,35 @@ def run(pairs, out_rows, rng) -> None:
               f"{row['b_us'] / row['a_us']:>5.2f}", flush=True)
 
 
-def wgmma_pairs(types, models, ns, dense_ns):
+def rule_pairs(types, models, ns, dense_ns, off, counted, wgmma, keep):
+    """Each product and count: A what dispatch chooses with the constant `off` (NAME, VALUE)
+    set, B the f16 tile mmf_rule_spec takes (with the tokens an expert where `counted`, else
+    any count; the wgmma tiles where `wgmma`), where keep(B)."""
     sm = dispatch.device_sm_count()
 
-    def without_wgmma(choose):
-        dispatch.WGMMA = False
+    def without(choose):
+        name, value = off
+        held = getattr(dispatch, name)
+        setattr(dispatch, name, value)
         try:
             return choose()
         finally:
-            dispatch.WGMMA = True
+            setattr(dispatch, name, held)
     pairs = []
     for (model, prod), (E, top_k, m, k) in EXPERTS.items():
         for q in types:
             for n in ns if not models or model in models else ():
-                b = dispatch.mmf_rule_spec(q, n, True, m, sm, None, True, (E, top_k))
-                if b.wgmma:
-                    a = without_wgmma(lambda: dispatch.choose_mul_mat_id(q, E, top_k, m, k, n))
+                b = dispatch.mmf_rule_spec(q, n, True, m, sm, n * top_k / E if counted else None, wgmma, (E, top_k))
+                if keep(b):
+                    a = without(lambda: dispatch.choose_mul_mat_id(q, E, top_k, m, k, n))
                     pairs.append(((model, prod, TuneKey("mul_mat_id", q, (E, top_k, m, k), n)), a, Choice("mmf_id", b)))
     for (model, prod), (m, k) in DENSE.items():
         for q in types:
             for n in dense_ns if not models or model in models else ():
-                b = dispatch.mmf_rule_spec(q, n, False, m, sm, None, True)
-                if b.wgmma:
-                    a = without_wgmma(lambda: dispatch.choose_mul_mat(q, m, k, n))
-                    pairs.append(((model, prod, TuneKey("mul_mat", q, (1, 1, m, k), n)), a, Choice("mmf", b)))
-    return pairs
-
-
-def f16_pairs(types, models, ns, dense_ns):
-    import os
-    sm, wgmma = dispatch.device_sm_count(), dispatch.wgmma_available()
-
-    def int8(choose):
-        os.environ["MOEFORGE_MMF"] = "0"
-        try:
-            return choose()
-        finally:
-            del os.environ["MOEFORGE_MMF"]
-    pairs = []
-    for (model, prod), (E, top_k, m, k) in EXPERTS.items():
-        for q in types:
-            for n in ns if not models or model in models else ():
-                b = dispatch.mmf_rule_spec(q, n, True, m, sm, n * top_k / E, wgmma, (E, top_k))
-                a = int8(lambda: dispatch.choose_mul_mat_id(q, E, top_k, m, k, n))
-                pairs.append(((model, prod, TuneKey("mul_mat_id", q, (E, top_k, m, k), n)), a, Choice("mmf_id", b)))
-    for (model, prod), (m, k) in DENSE.items():
-        for q in types:
-            for n in dense_ns if not models or model in models else ():
                 b = dispatch.mmf_rule_spec(q, n, False, m, sm, None, wgmma)
-                a = int8(lambda: dispatch.choose_mul_mat(q, m, k, n))
-                pairs.append(((model, prod, TuneKey("mul_mat", q, (1, 1, m, k), n)), a, Choice("mmf", b)))
+                if keep(b):
+                    a = without(lambda: dispatch.choose_mul_mat(q, m, k, n))
+                    pairs.append(((model, prod, TuneKey("mul_mat", q, (1, 1, m, k), n)), a, Choice("mmf", b)))
     return pairs
 
 
@@ -156,11 +135,14 @@ def main() -> None:
                     sk = dataclasses.replace(base.spec, stream_k=not base.spec.stream_k)
                     pairs.append(((model, prod, key), base, Choice("mmq_id", sk)))
     elif a.mode == "wgmma":
-        pairs = wgmma_pairs(types, models, [int(v) for v in (a.n or "256,512,1024,2048,4096").split(",")],
-                            [int(v) for v in a.dense_n.split(",")])
+        # the wgmma tile at any count (to place it below the rule's threshold as well)
+        pairs = rule_pairs(types, models, [int(v) for v in (a.n or "256,512,1024,2048,4096").split(",")],
+                           [int(v) for v in a.dense_n.split(",")], ("WGMMA", False), False, True,
+                           lambda s: s.wgmma)
     elif a.mode == "f16":
-        pairs = f16_pairs(types, models, [int(v) for v in (a.n or "128,256,512,1024,2048,4096").split(",")],
-                          [int(v) for v in a.dense_n.split(",")])
+        pairs = rule_pairs(types, models, [int(v) for v in (a.n or "128,256,512,1024,2048,4096").split(",")],
+                           [int(v) for v in a.dense_n.split(",")], ("MMF_TYPES", ()), True,
+                           dispatch.wgmma_available(), lambda s: True)
     else:
         ns = [int(v) for v in (a.n or "64,128,256,512").split(",")]
         sm = dispatch.device_sm_count()

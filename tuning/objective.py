@@ -52,7 +52,7 @@ class Case:
                 # otherwise stay in L2 from one call to the next, as they never do in a model.
                 copies = max(2, math.ceil(4 * info["l2_bytes"] / max(1, w0.nbytes)))
                 copies = max(1, min(settings.max_copies, copies, int(0.25 * free // max(1, w0.nbytes))))
-            ws = [w0] + [QuantTensor(w0.buffer.copy(), w0.quant, w0.shape, w0.f16_fits) for _ in range(copies - 1)]
+            ws = [w0] + [w0.copy() for _ in range(copies - 1)]
             weights = (raw, ws)
         self.raw, self.weights = weights
         n = key.n

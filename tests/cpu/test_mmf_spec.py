@@ -140,21 +140,26 @@ def test_mxfp4_f16_weights_are_the_level_times_the_scale_as_f16(rng):
     assert (got[e < 103] == 0).all() and (got[e >= 114] != 0).any()
 
 
+def _host_tensor(raw, q, rows, k):
+    """A QuantTensor on the host, built from its split buffer alone (f16_fits read back)."""
+    from moeforge.runtime.block_split import split_blocks
+    from moeforge.runtime.tensor import QuantTensor
+    qs, meta = split_blocks(raw.reshape(rows, -1), q, rows, k)
+    off = QuantTensor._meta_offset(rows, q.blocks_per_row(k), q)
+    buf = np.zeros(off + meta.size, dtype=np.uint8)
+    buf[:qs.size], buf[off:] = qs.reshape(-1), meta.reshape(-1)
+    return QuantTensor(buf, q, (rows, k))
+
+
 def test_mxfp4_tensors_say_whether_their_scales_fit_f16(rng):
     """QuantTensor.f16_fits, read from the meta bytes on the host as on the device: the
     largest scale byte in [114, 140] (no weight past 65504, the largest blocks normal)."""
     from moeforge.codegen.quant import quant_type
-    from moeforge.runtime.block_split import split_blocks
-    from moeforge.runtime.tensor import QuantTensor
     q = quant_type("mxfp4")
     rows, k = 6, 96
 
     def tensor(raw, qt=q):
-        qs, meta = split_blocks(raw.reshape(rows, -1), qt, rows, k)
-        off = QuantTensor._meta_offset(rows, qt.blocks_per_row(k), qt)
-        buf = np.zeros(off + meta.size, dtype=np.uint8)
-        buf[:qs.size], buf[off:] = qs.reshape(-1), meta.reshape(-1)
-        return QuantTensor(buf, qt, (rows, k))
+        return _host_tensor(raw, qt, rows, k)
 
     assert tensor(ref.random_blocks("mxfp4", rows, k, rng)).f16_fits
     for top, fits in ((140, True), (141, False), (114, True), (113, False)):
@@ -183,7 +188,6 @@ def test_f16_scaled_tensors_fit_f16_while_their_largest_weight_does(rng, qtype):
     scales' products only where d and dmin differ in sign). A QuantTensor built on the host
     from its buffer alone reads it the same way (the buffer joined back)."""
     from moeforge.codegen.quant import quant_type
-    from moeforge.runtime.block_split import split_blocks
     from moeforge.runtime.tensor import F16_MAX, QuantTensor, blocks_fit_f16
     q = quant_type(qtype)
     rows, k = 4, 256
@@ -203,11 +207,8 @@ def test_f16_scaled_tensors_fit_f16_while_their_largest_weight_does(rng, qtype):
         ones[:, at:at + 2] = np.array([1.0], dtype=np.float16).view(np.uint8)
     top, bound = np.abs(ref.dequantize(ones.reshape(64, -1), qtype, (64, 1024))).max(), sum(f for _, f in q.f16_scales)
     assert top <= bound <= 1.34 * top, (top, bound)
-    qs, meta = split_blocks(raw.reshape(rows, -1), q, rows, k)
-    off = QuantTensor._meta_offset(rows, q.blocks_per_row(k), q)
-    buf = np.zeros(off + meta.size, dtype=np.uint8)
-    buf[:qs.size], buf[off:] = qs.reshape(-1), meta.reshape(-1)
-    assert QuantTensor(buf, q, (rows, k)).f16_fits and not QuantTensor(buf, q, (rows, k), f16_fits=False).f16_fits
+    host = _host_tensor(raw, q, rows, k)
+    assert host.f16_fits and not QuantTensor(host.buffer, q, (rows, k), f16_fits=False).f16_fits
 
 
 def test_an_mxfp4_tensor_past_f16_takes_the_int8_tiles(monkeypatch):
