@@ -87,25 +87,22 @@ MMF_SPLITS = (2, 3, 4)
 MMF_SPLIT_TILES = ((128, 128, 4, 4, 2), (64, 128, 8, 4, 3))
 
 
-# sm_90a's warpgroup MMA tiles (MmfSpec.wgmma: the stage's rows dequantized once into
-# shared memory, both operands read by the tensor cores from there): 1.2-1.4x the wide
-# mma.sync tile (runtime.dispatch). The super-block formats' stages hold half or a quarter
-# of one (MmfSpec.part_super).
-MMF_WGMMA_TILES = ((128, 128, 8, 4, 3), (128, 256, 8, 2, 4))
+# sm_90a's warpgroup MMA tiles (MmfSpec.wgmma: x read by the tensor cores from shared
+# memory, the rows dequantized into their A registers): per row count the first of these
+# that fits, the deepest pipeline (H200, q4_0, Mixtral-8x7B's down at 2048 tokens: five
+# stages of 128 rows 1343.5 us, three 1395.8; its gate/up on 256 rows, stages of four
+# blocks 2599.1, of two blocks 2684.5 in four stages, 2696.0 in six). The super-block
+# formats' stages hold half a super-block (MmfSpec.part_super).
+MMF_WGMMA_TILES = (((128, 128, 8, 4, 5), (128, 128, 8, 4, 4)), ((128, 256, 8, 4, 3),))
 
 
 def mmf_wgmma_specs(q: QuantType) -> list[MmfSpec]:
-    out = []
-    for ids in (True, False):
-        for t in MMF_WGMMA_TILES:
-            s = MmfSpec(q.name, *t, ids=ids, wgmma=True)
-            try:
-                s.check()
-            except ValueError:
-                continue     # mxfp4's 256-row tile: a stage of two blocks has 2 scale bytes
-            if s.smem_bytes() <= SM90_SMEM_PER_BLOCK:
-                out.append(s)
-    return out
+    """Format q's wgmma tiles, expert and dense: one of each row count."""
+    def fits(s):
+        s.check()
+        return s.smem_bytes() <= SM90_SMEM_PER_BLOCK
+    return [next(s for s in (MmfSpec(q.name, *t, ids=ids, wgmma=True) for t in tiles) if fits(s))
+            for ids in (True, False) for tiles in MMF_WGMMA_TILES]
 
 
 def mmf_specs(q: QuantType) -> list[MmfSpec]:

@@ -414,9 +414,11 @@ class MmfSpec(KernelSpec):
     kblocks: 32-value blocks per pipeline stage, stages: cp.async depth. ids: MUL_MAT_ID
     tiles from the routing launch. wn: warps along the tokens (2-D warp tiles: fewer
     accumulators a thread for wide tiles, the rows' dequantization done once per wn warps).
-    wgmma: sm_90a's warpgroup MMA instead of mma.sync, the stage's rows dequantized once by
-    the whole block into shared memory and read from there, as x is, by the tensor cores
-    (two warpgroups, y/128 m64 slices each; DESIGN-NOTES "Prompt products on wgmma")."""
+    wgmma: sm_90a's warpgroup MMA instead of mma.sync (two warpgroups, y/128 m64 slices
+    each): x read by the tensor cores from shared memory, the rows from registers, each warp
+    dequantizing its own 16 rows of each slice into the A fragment a block at a time under
+    the MMAs of the block before (DESIGN-NOTES "Prompt products on wgmma", "wgmma's rows
+    from registers")."""
     family: ClassVar[str] = "mmf"
     template: ClassVar[str] = "mmf.cu.j2"
     qtype: str
@@ -428,7 +430,7 @@ class MmfSpec(KernelSpec):
     ids: bool = True
     wn: int = 1          # warps along the tile's tokens (the others split its rows)
     splits: int = 1      # blocks sharing an output tile's k (partials summed in order by mmf_split_sum)
-    wgmma: bool = False  # sm_90a warpgroup MMA: the stage's rows dequantized once into shared memory
+    wgmma: bool = False  # sm_90a warpgroup MMA, the rows dequantized into its A registers
     QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
 
@@ -458,8 +460,8 @@ class MmfSpec(KernelSpec):
 
     @property
     def part_super(self) -> bool:
-        """A stage holds part of a super-block (wgmma: whole ones do not fit twice over in
-        shared memory with the dequantized rows) and copies its scales whole, every stage."""
+        """A stage holds part of a super-block (wgmma: its stages of whole ones would leave
+        room for few of them) and copies its scales whole, every stage."""
         return self.quant.super_meta and self.kblocks < self.quant.sub_blocks
 
     @property
@@ -507,17 +509,14 @@ class MmfSpec(KernelSpec):
         stage = xh + self.x * x_row
         if not self.wgmma:
             return dict(wq_row=wq_row, wm_row=wm_row, x_row=x_row, wq=wq, wm=wm, xh=xh, stage=stage)
-        # wgmma reads x and the dequantized rows in 128-byte-swizzled panels, 1024-byte
-        # aligned; two buffers of rows, so that one stage's dequantization overlaps the
-        # previous stage's MMAs
+        # wgmma reads x in 128-byte-swizzled panels, 1024-byte aligned
         xh = _pad(xh, 1024)
         stage = _pad(xh + self.x * self.kblocks * 64, 1024)
-        return dict(wq_row=wq_row, wm_row=wm_row, x_row=x_row, wq=wq, wm=wm, xh=xh, stage=stage,
-                    a=stage * self.stages, a_bytes=self.y * self.kblocks * 64)
+        return dict(wq_row=wq_row, wm_row=wm_row, x_row=x_row, wq=wq, wm=wm, xh=xh, stage=stage)
 
     def smem_bytes(self) -> int:
         L = self.layout()
-        return L["stage"] * self.stages + 2 * L.get("a_bytes", 0)
+        return L["stage"] * self.stages
 
 
 SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec, MmfSpec)}

@@ -274,33 +274,34 @@ MMF_CC_MAJOR = (9,)
 # the formats the rules give f16 tiles: all that have them (a format's A/B switch:
 # scripts/dispatch_ab.py MODEL "MMF_TYPES=('q4_K',)")
 MMF_TYPES = MmfSpec.QTYPES
-# sm_90a's warpgroup MMA in place of the wide mma.sync tile (unsplit): the stage's rows
-# dequantized once into shared memory for both warpgroups, x and the rows read by the
-# tensor cores from 128-byte-swizzled panels (MmfSpec.wgmma). H200, q4_0, against the wide
-# tile, random and skewed routing (scripts/product_ab.py wgmma, BENCHMARKS.md "Prompt
-# products on wgmma"): Mixtral-8x7B's gate/up n=2048 4391 -> 3322 us (x128y256), down
-# 2148 -> 1572 (x128y128), gpt-oss-20b's gate/up 1364 -> 1008, Qwen3's n=4096 1099 -> 872,
-# dense q|k|v 6144x4096 n=2048 386 -> 303; 0.72-0.82x everywhere, q8_0 0.75-0.92x. The
-# 256-row tile halves x's traffic a weight but has half the blocks: it goes where its
-# mean-routing tiles fill MMF_WGMMA_Y256_MIN_WAVES waves (Mixtral's down at 2048 tokens, 4
-# waves: 1746 against the 128-row tile's 1550 us; its gate/up at 27 waves 3270 against 3364).
-# The super-block formats (q4_K, q5_K, iq4_xs: stages of half or a quarter of one,
-# MmfSpec.part_super) take them in place of their own expert tile (MMF_EXPERT_TILE_OF) from
-# MMF_WGMMA_MIN_TOKENS_PER_EXPERT too: H200, against it, Mixtral-8x7B's experts at 1024-4096
-# tokens 0.62-0.93x, Qwen3-30B-A3B's at 128 an expert 0.82-0.99x, at 256 0.78-0.95x, at 64
-# 1.01-1.20x (not taken there); dense 0.64-0.83x the wide tile (BENCHMARKS.md "wgmma for the
-# super-block formats").
+# sm_90a's warpgroup MMA in place of the wide mma.sync tile (unsplit): x read by the
+# tensor cores from 128-byte-swizzled panels, the rows dequantized by each warp into the
+# MMA's A registers (MmfSpec.wgmma). H200, q4_0, against the wide tile, random and skewed
+# routing (scripts/product_ab.py wgmma, BENCHMARKS.md "Prompt products on wgmma"), with
+# the rows through shared memory as first built: Mixtral-8x7B's gate/up n=2048 4391 ->
+# 3322 us (x128y256), down 2148 -> 1572 (x128y128), gpt-oss-20b's gate/up 1364 -> 1008,
+# Qwen3's n=4096 1099 -> 872, dense q|k|v 6144x4096 n=2048 386 -> 303; 0.72-0.82x
+# everywhere, q8_0 0.75-0.92x. The rows from registers then took 0.67-0.92x of that at
+# 2048 tokens, every product of q4_0, q4_K and q6_K (Mixtral's gate/up q4_0 3269.8 ->
+# 2599.1 us, q6_K 4684.6 -> 3224.8, down q4_0 1543.6 -> 1343.5; BENCHMARKS.md "wgmma's
+# rows from registers"). The 256-row tile halves x's traffic a weight but has half the
+# blocks: it goes where its mean-routing tiles fill MMF_WGMMA_Y256_MIN_WAVES waves
+# (Mixtral's down at 2048 tokens, 4 waves: 1746 against the 128-row tile's 1550 us; its
+# gate/up at 27 waves 3270 against 3364, both through shared memory). The super-block
+# formats (q4_K, q5_K, iq4_xs: stages of half of one, MmfSpec.part_super) take them in
+# place of their own expert tile (MMF_EXPERT_TILE_OF) from MMF_WGMMA_MIN_TOKENS_PER_EXPERT
+# too (BENCHMARKS.md "wgmma for the super-block formats").
 WGMMA = True     # off: the mma.sync tiles everywhere (as MOEFORGE_WGMMA=0; scripts/dispatch_ab.py's switch)
-MMF_WGMMA_Y128 = (128, 128, 8, 4, 3)
-MMF_WGMMA_Y256 = (128, 256, 8, 2, 4)
+MMF_WGMMA_X = 128
 MMF_WGMMA_Y256_MIN_WAVES = 8
-# With them the f16 tiles win from 128 tokens an expert for every format that has them
-# (q4_0's mma.sync tiles only tied its int8 ones there: MMF_MIN_TOKENS_PER_EXPERT). H200,
-# q4_0, the int8 default against the wgmma tile: at 128 an expert Mixtral-8x7B's gate/up
-# and down 0.79x, gpt-oss-20b's 0.90x and 0.92x, Qwen3-30B-A3B's 0.87x and 0.96x; at 64 an
-# expert 1.10-1.94x (the int8 tiles stay there). q8_0 (f16 from 128 already) against its
-# mma.sync tile at 128 an expert 0.75-0.91x, Qwen3's down 1.02x.
-MMF_WGMMA_MIN_TOKENS_PER_EXPERT = 128
+# With them the f16 tiles win from 64 tokens an expert for every format that has them.
+# H200, the int8 default (the super-block formats' own f16 tile from 128) against the
+# wgmma tile at 64 an expert: q4_0 Mixtral-8x7B's gate/up and down 0.92x and 0.86x,
+# gpt-oss-20b's 0.97x and 0.96x, Qwen3-30B-A3B's 0.94x and 1.08x; q4_K 0.81x, 0.76x,
+# Qwen3's 0.87x and 0.94x; at 96 DeepSeek-V2-Lite's 0.69-0.78x; at 32-48 1.14-2.07x (the
+# int8 tiles stay there). With the rows through shared memory it was 128: at 64 an
+# expert 1.10-1.94x.
+MMF_WGMMA_MIN_TOKENS_PER_EXPERT = 64
 
 
 def _device_cc_major() -> int | None:
@@ -364,7 +365,7 @@ def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | Non
     IMMA a fragment, take the f16 tiles from 16 tokens an expert, narrower ones below 64;
     q5_K from 64 (two stages of x64y256), q4_K, iq4_xs and q8_0 from 128
     (MMF_MIN_TOKENS_PER_EXPERT_OF, MMF_NARROW_TILES, MMF_EXPERT_TILE_OF); with the wgmma
-    tiles (wgmma_available) every format that has them from 128 at most
+    tiles (wgmma_available) every format that has them from 64 at most
     (MMF_WGMMA_MIN_TOKENS_PER_EXPERT). moe: (E, top_k) of an expert product, whose tile
     count picks the wgmma tile's rows."""
     if os.environ.get("MOEFORGE_MMF", "1") == "0" or qtype not in MMF_TYPES:
@@ -410,18 +411,18 @@ def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
         (tokens_per_expert is None or tokens_per_expert >= MMF_WGMMA_MIN_TOKENS_PER_EXPERT)
     if wgmma and splits == 1 and (tile == MMF_WIDE_TILE or own):
         wide = ids and moe is not None and m is not None and \
-            moe_tiles(*moe, m, n, MMF_WGMMA_Y256[0], MMF_WGMMA_Y256[1]) >= MMF_WGMMA_Y256_MIN_WAVES * sm_count
-        for t in ((MMF_WGMMA_Y256, MMF_WGMMA_Y128) if wide else (MMF_WGMMA_Y128,)):
-            spec = MmfSpec(qtype, *t, ids=ids, wgmma=True)
-            if spec in _wgmma_built(qtype):
+            moe_tiles(*moe, m, n, MMF_WGMMA_X, 256) >= MMF_WGMMA_Y256_MIN_WAVES * sm_count
+        for y in ((256, 128) if wide else (128,)):
+            spec = next((s for s in _wgmma_built(qtype) if (s.ids, s.y) == (ids, y)), None)
+            if spec is not None:
                 return spec
     return MmfSpec(qtype, x, y, warps, quant_type(qtype).whole_kblocks(kblocks), stages, ids=ids, splits=splits)
 
 
 @functools.lru_cache(maxsize=None)
-def _wgmma_built(qtype: str) -> frozenset:
+def _wgmma_built(qtype: str) -> tuple:
     from ..codegen.enumerate import mmf_wgmma_specs
-    return frozenset(mmf_wgmma_specs(quant_type(qtype)))
+    return tuple(mmf_wgmma_specs(quant_type(qtype)))
 
 
 # Fewer trials than this: the study timed its seeds (the default, the profile's incumbent,

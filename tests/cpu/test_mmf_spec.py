@@ -267,14 +267,14 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     monkeypatch.setattr(dispatch, "WGMMA", False)
     assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 2048).path != "mmf_id"
     monkeypatch.setattr(dispatch, "WGMMA", True)
-    # q8_0, q4_K and iq4_xs from 128 tokens an expert, on the wgmma tiles: the 256-row one
+    # q8_0, q4_K and iq4_xs from 64 tokens an expert, on the wgmma tiles: the 256-row one
     # where its tiles fill 8 waves of the 64 SMs set above (768 tiles at 4096 tokens, 384 at
-    # 2048); the super-block formats' stages hold half or a quarter of one
+    # 2048); the super-block formats' stages hold half of one
     for qtype in ("q8_0", "q4_K", "iq4_xs"):
-        tiles = [dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, n) for n in (1024, 2048, 4096, 16384)]
-        assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 3
-        assert [(c.spec.x, c.spec.y, c.spec.kblocks) for c in tiles[1:]] == [(128, 128, 4), (128, 256, 2),
-                                                                             (128, 256, 2)]
+        tiles = [dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, n) for n in (512, 1024, 2048, 4096, 16384)]
+        assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 4
+        assert [(c.spec.x, c.spec.y, c.spec.kblocks) for c in tiles[1:]] == [(128, 128, 4), (128, 128, 4),
+                                                                             (128, 256, 4), (128, 256, 4)]
         assert all(c.spec.wgmma for c in tiles[1:])
         wide = dispatch.choose_mul_mat(qtype, 2048, 4096, 2048).spec
         assert wide.x == 128 and wide.wgmma                                    # dense: the wide tile's
@@ -282,9 +282,9 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
             mp.setattr(dispatch, "WGMMA", False)
             spec = dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, 4096).spec
             assert not spec.wgmma and (spec.x, spec.y) == ((128, 128) if qtype == "q8_0" else (64, 256))
-    # q5_K's own tile from 64 tokens an expert, the wgmma tiles from 128
+    # q5_K on the wgmma tiles from 64 tokens an expert too (its own tile there without them)
     assert [dispatch.choose_mul_mat_id("q5_K", 128, 8, 768, 2048, n).spec.wgmma for n in (1024, 2048)] == \
-        [False, True]
+        [True, True]
     # q3_K's and q2_K's int8 tiles pay two products a block: their f16 tiles from 16 tokens an
     # expert, narrower below 64
     for qtype in ("q2_K", "q3_K"):
@@ -292,7 +292,8 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
         assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 4
         assert [(c.spec.x, c.spec.y) for c in tiles[1:]] == [(32, 256), (64, 256), (128, 128), (128, 256)]
         assert [c.spec.wgmma for c in tiles[1:]] == [False, False, True, True]
-    assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 1024).path != "mmf_id"
+    assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 1024).spec.wgmma    # 64 an expert
+    assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 1016).path != "mmf_id"   # under 64
     monkeypatch.setenv("MOEFORGE_MMF", "0")
     assert dispatch.choose_mul_mat("q4_0", 5120, 2048, 512).path != "mmf"
     monkeypatch.delenv("MOEFORGE_MMF")
@@ -333,7 +334,7 @@ def test_the_rules_tiles_are_generated(monkeypatch):
 def test_a_tile_past_sm90s_shared_memory_comes_with_one_stage_fewer(monkeypatch):
     """q5_K's x64y256 (three stages of whole super-blocks: 251904 bytes) cannot launch on an
     H100 or H200; its two-stage form is built, fits, and is what q5_K's expert rule takes
-    from 64 tokens an expert (below that, its int8 tiles)."""
+    from 64 tokens an expert where there are no wgmma tiles (below that, its int8 tiles)."""
     from moeforge.codegen.enumerate import SM90_SMEM_PER_BLOCK, mmf_specs
     from moeforge.codegen.quant import quant_type
     from moeforge.runtime import dispatch
@@ -343,12 +344,12 @@ def test_a_tile_past_sm90s_shared_memory_comes_with_one_stage_fewer(monkeypatch)
     assert three in built and three.smem_bytes() > SM90_SMEM_PER_BLOCK
     assert two in built and two.smem_bytes() <= SM90_SMEM_PER_BLOCK
     assert all(s.smem_bytes() <= SM90_SMEM_PER_BLOCK for s in mmf_specs(quant_type("q4_K")) if s.stages == 2)
-    assert len(mmf_specs(quant_type("q4_K"))) == len(built) - 2      # every other format: nothing added
+    # every other format: nothing added (the wgmma tiles' stages are their own)
+    assert len([s for s in mmf_specs(quant_type("q4_K")) if not s.wgmma]) == len([s for s in built if not s.wgmma]) - 2
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
-    assert dispatch.mmf_choice("q5_K", 1024, 64.0).spec == two
-    assert dispatch.mmf_choice("q5_K", 2048, 127.0).spec == two
-    assert dispatch.mmf_choice("q5_K", 2048, 128.0).spec.wgmma       # the wgmma tiles from 128
+    assert dispatch.mmf_choice("q5_K", 1024, 64.0).spec.wgmma        # the wgmma tiles from 64
     monkeypatch.setattr(dispatch, "WGMMA", False)
+    assert dispatch.mmf_choice("q5_K", 1024, 64.0).spec == two
     assert dispatch.mmf_choice("q5_K", 2048, 128.0).spec == two
     assert dispatch.mmf_choice("q5_K", 512, 32.0) is None
 
@@ -446,34 +447,43 @@ def test_split_k_chunks_cover_k_once(splits):
 def test_wgmma_tiles_are_sm90_instances_with_aligned_swizzled_panels(tmp_path):
     """MmfSpec.wgmma: its own name, sm_90 only (`moeforge generate` skips it elsewhere;
     NVRTC compiles it for sm_90a, whose wgmma it uses), panels 1024-byte aligned (the
-    128-byte swizzle is of absolute addresses), two row buffers beside the stages, and only
-    the shapes its template is written for."""
+    128-byte swizzle is of absolute addresses), nothing beside the stages (the rows are in
+    registers), one tile a row count, the deepest that fits, and only the shapes its
+    template is written for."""
     from moeforge.codegen.compile import compile_spec
     from moeforge.codegen.enumerate import SM90_SMEM_PER_BLOCK, mmf_wgmma_specs
     from moeforge.codegen.generate import generate
     from moeforge.codegen.quant import parse_types, quant_type
-    spec = MmfSpec("q4_0", 128, 256, 8, 2, 4, ids=True, wgmma=True)
-    assert spec.name == "mmf_id-q4_0-x128y256w8k2s4-wg"
+    spec = MmfSpec("q4_0", 128, 256, 8, 4, 3, ids=True, wgmma=True)
+    assert spec.name == "mmf_id-q4_0-x128y256w8k4s3-wg"
     assert spec.supports("sm_90") and not spec.supports("sm_80") and spec.nvrtc_arch("sm_90") == "sm_90a"
     with pytest.raises(ValueError, match="sm_90 only"):
         spec.nvrtc_arch("sm_89")
     L = spec.layout()
-    assert L["xh"] % 1024 == 0 and L["stage"] % 1024 == 0 and L["a"] == 4 * L["stage"]
-    assert L["a_bytes"] == 256 * 2 * 64 and spec.smem_bytes() == 4 * L["stage"] + 2 * L["a_bytes"]
+    assert L["xh"] % 1024 == 0 and L["stage"] % 1024 == 0 and spec.smem_bytes() == 3 * L["stage"]
+    assert L["stage"] - L["xh"] == 128 * 4 * 64                      # x: 128 tokens of 4 blocks
     for bad in (dict(warps=4), dict(y=192), dict(x=32), dict(kblocks=3), dict(stages=2), dict(wn=2)):
         with pytest.raises(ValueError):
             dataclasses.replace(spec, **bad).check()
     built = {q: mmf_wgmma_specs(quant_type(q)) for q in MmfSpec.QTYPES}
     assert spec in built["q4_0"] and all(s.smem_bytes() <= SM90_SMEM_PER_BLOCK for v in built.values() for s in v)
-    # stages of whole super-blocks do not fit: the super-block formats' hold half or a quarter
-    # of one and its scales, whole (MmfSpec.part_super)
+    for q, v in built.items():
+        assert sorted((s.ids, s.y) for s in v) == [(False, 128), (False, 256), (True, 128), (True, 256)], q
+        # five stages of 128 rows where they fit, else four (q8_0, q5_K, q6_K: 53-55 KB a stage)
+        stages = 4 if q in ("q8_0", "q5_K", "q6_K") else 5
+        assert [s.stages for s in v if s.y == 128] == [stages, stages], q
+        assert MmfSpec(q, 128, 128, 8, 4, stages + 1, ids=True, wgmma=True).smem_bytes() > SM90_SMEM_PER_BLOCK \
+            or stages == 5
+    # stages of whole super-blocks leave room for few: the super-block formats' hold half of
+    # one and its scales, whole (MmfSpec.part_super)
     for q in ("q4_K", "q5_K", "iq4_xs"):
         sb = quant_type(q).sub_blocks
-        assert [(s.kblocks, s.part_super, s.meta_kblocks) for s in built[q] if s.ids] == [(4, True, sb), (2, True, sb)]
+        assert {(s.kblocks, s.part_super, s.meta_kblocks) for s in built[q]} == {(4, True, sb)}
         assert all(s.layout()["wm_row"] >= sb * quant_type(q).meta_bytes for s in built[q])
     with pytest.raises(ValueError, match="whole q4_K super-blocks"):
         MmfSpec("q4_K", 128, 128, 4, 4, 2, ids=True).check()       # the mma.sync tiles' stages hold whole ones
-    dense = MmfSpec("q8_0", 128, 128, 8, 4, 3, ids=False, wgmma=True)
+    dense = MmfSpec("q8_0", 128, 128, 8, 4, 4, ids=False, wgmma=True)
+    assert dense in built["q8_0"]
     ck = compile_spec(dense, "sm_90", tmp_path)
     assert ck.info[dense.symbol]["spill_stores"] == 0 and ck.cubin.exists()
     summary = generate(parse_types("q8_0"), ("sm_80",), tmp_path, progress=False, out=io.StringIO(),

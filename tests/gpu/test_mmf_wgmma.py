@@ -1,7 +1,7 @@
-"""The f16 tiles on sm_90a's warpgroup MMA (MmfSpec.wgmma: a stage's rows dequantized once
-into 128-byte-swizzled shared memory, x copied there in the same layout, both read by the
-tensor cores), every built instance, against both references: float64 on dequantized
-weights and the emulation of the f16 rounding (pytest -m gpu; sm_90 only)."""
+"""The f16 tiles on sm_90a's warpgroup MMA (MmfSpec.wgmma: x copied into 128-byte-swizzled
+shared memory and read from there by the tensor cores, each warp's rows dequantized into
+the MMA's A registers), every built instance, against both references: float64 on
+dequantized weights and the emulation of the f16 rounding (pytest -m gpu; sm_90 only)."""
 import numpy as np
 import pytest
 
