@@ -56,9 +56,11 @@ def waves(choice: Choice, key: TuneKey, sm_count: int, blocks_per_sm: int) -> tu
 
 
 def run(pairs, out_rows, rng) -> None:
+    """Times each pair; B/A is of the mean over the routings (the tuner's objective), and
+    apart for random (balanced) and skewed routing (a few hot experts) where both ran."""
     sm = dispatch.device_sm_count()
     print(f"{'model':<17} {'product':<8} {'type':<5} {'n':>5}  {'A':<28} {'tiles':>6} {'waves':>6} {'us':>8}  "
-          f"{'B':<28} {'tiles':>6} {'waves':>6} {'us':>8}  {'B/A':>5}", flush=True)
+          f"{'B':<28} {'tiles':>6} {'waves':>6} {'us':>8}  {'B/A':>5} {'rand':>5} {'skew':>5}", flush=True)
     held = None      # (op, type, shape), weights: consecutive n of one product share them
     timed = {}       # (key, spec): the A side of consecutive pairs that share it is timed once
     for (model, prod, key), a, b in pairs:
@@ -66,22 +68,26 @@ def run(pairs, out_rows, rng) -> None:
         case = Case(key, Settings(), rng, held[1] if same else None)
         held = (key.op, key.qtype, key.shape), (case.raw, case.weights)
         row = dict(model=model, product=prod, qtype=key.qtype, n=key.n, shape=key.shape)
-        cells = []
+        cells, res = [], {}
         for tag, c in (("a", a), ("b", b)):
             info = preflight(c)
             if tag == "a" and (key, c.spec) in timed:
-                us = timed[(key, c.spec)]
+                res[tag] = timed[(key, c.spec)]
             else:
                 check(case, c)
-                us = measure(case, c)["value"]
+                res[tag] = measure(case, c)
                 if tag == "a":
-                    timed = {(key, c.spec): us}
+                    timed = {(key, c.spec): res[tag]}
+            us = res[tag]["value"]
             tiles, w = waves(c, key, sm, info["blocks_per_sm"])
-            row.update({f"{tag}_spec": c.spec.name, f"{tag}_us": us, f"{tag}_tiles": tiles, f"{tag}_waves": w})
+            row.update({f"{tag}_spec": c.spec.name, f"{tag}_us": us, f"{tag}_tiles": tiles, f"{tag}_waves": w},
+                       **{f"{tag}_us_{k}": res[tag][f"us_{k}"] for k in case.inputs})
             cells.append(f"{c.spec.name:<28} {tiles:>6} {w:>6.2f} {us:>8.1f}")
         out_rows.append(row)
+        kinds = " ".join(f"{res['b'][f'us_{k}'] / res['a'][f'us_{k}']:>5.2f}" if k in case.inputs else f"{'':>5}"
+                         for k in ("random", "skewed"))
         print(f"{model:<17} {prod:<8} {key.qtype:<5} {key.n:>5}  {cells[0]}  {cells[1]}  "
-              f"{row['b_us'] / row['a_us']:>5.2f}", flush=True)
+              f"{row['b_us'] / row['a_us']:>5.2f} {kinds}", flush=True)
 
 
 def rule_pairs(types, models, ns, dense_ns, off, counted, wgmma, keep):
