@@ -289,6 +289,19 @@ class _Weights:
     def rng(self, name: str) -> np.random.Generator:
         return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
 
+    # Block-source files: what a layer writes into the residual stream (attention's output
+    # projection, the FFN's down products) is weights of WRITE_GAIN / sqrt(k), the other
+    # matrices' 1 / sqrt(k), against a token embedding of unit scale. Random layers write a component every token shares (causal attention averages
+    # the prefix; an expert adds the same vector's worth to every token it takes); summed
+    # over the layers, wherever it outweighs the token's own embedding every router sends
+    # every token to the same experts, and the prompt's expert products become a few dense
+    # ones, which no trained model gives. At 0.1 a 512-token prompt's expert loads stay
+    # within ~2x of the mean through all 48 layers of Qwen3-30B-A3B's shape (0.25: 3.9x by
+    # layer 47; as random_blocks drew them, with its positive scales, every token took the
+    # same 8 experts from layer 0: DESIGN-NOTES "Synthetic models' routing").
+    WRITE_GAIN = 0.1
+    WRITES = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
     def std(self, name: str, shape) -> float:
         if name == "token_embd.weight":
             return 1.0
@@ -297,6 +310,14 @@ class _Weights:
         if name.endswith("ffn_gate_inp.weight"):
             return 2.0 / np.sqrt(shape[-1])
         return 1.0 / np.sqrt(shape[-1])
+
+    def pool_rms(self, name: str, shape) -> float:
+        """The root mean square a block-source tensor's values are scaled to (_BlockPool):
+        std()'s, the layers' writes WRITE_GAIN times that. (random_blocks' own scales give
+        q8_0 weights of ~0.4, q4_0's ~0.03, whatever k; the float source, whose files the
+        parity fixtures are, keeps std() alone.)"""
+        rms = self.std(name, shape)
+        return rms * self.WRITE_GAIN if name.endswith(self.WRITES) else rms
 
     def small(self, name: str, shape) -> np.ndarray:
         """Norm weights, biases, sinks and the router: always float32, always drawn."""
@@ -319,9 +340,11 @@ class _Weights:
 
     @staticmethod
     def skew_embedding(blocks: np.ndarray, t: str) -> np.ndarray:
-        """Raise value 0 of every block to the format's largest positive quant (scales
-        are positive): the shared component the skewed router keys on."""
+        """Raise value 0 of every block to the format's largest positive quant, its f16
+        scales made positive: the shared component the skewed router keys on."""
         b = blocks.reshape(-1, QUANT_TYPES[t].block_bytes).copy() if t in QUANT_TYPES else blocks
+        for at, _ in QUANT_TYPES[t].f16_scales if t in QUANT_TYPES else ():
+            b[:, at + 1] &= 0x7F
         if t == "q4_0":
             b[:, 2] = (b[:, 2] & 0xF0) | 0x0F
         elif t == "q8_0":
@@ -365,13 +388,51 @@ class _Weights:
 
 class _BlockPool:
     """Random valid blocks of one type (or unit normals of a float type); tensors are
-    copied out of it from random block offsets, wrapping around."""
+    copied out of it from random block offsets, wrapping around. Each block's f16 scales
+    take a random sign, as a quantized zero-mean weight's do: random_blocks' positive
+    scales give q4_0 weights a mean of -d/2 (and q4_K's, q5_K's, q2_K's a positive one),
+    which summed over k outweighs everything else a product computes. rms: the pool's
+    values scaled to this root mean square (_Weights.pool_rms)."""
 
     POOL_BYTES = 48 << 20
 
-    def __init__(self, t: str, rng: np.random.Generator):
-        from .reference import random_blocks
+    def __init__(self, t: str, rng: np.random.Generator, rms: float | None = None):
         self.t = t
+        self._fill(t, rng)
+        if t in QUANT_TYPES:
+            b = self.pool.reshape(-1, self.unit)
+            flip = rng.integers(0, 2, size=len(b), dtype=np.uint8) << 7
+            for at, _ in QUANT_TYPES[t].f16_scales:    # all of a block's together: its weights negated
+                b[:, at + 1] ^= flip
+        if rms is not None:
+            self._scale(rms / self._rms())
+
+    def _rms(self) -> float:
+        if self.t not in QUANT_TYPES:
+            return float(np.sqrt(np.mean(self.pool.view(_np_dtype(self.t)).astype(np.float64) ** 2)))
+        from .reference import dequantize
+        q = QUANT_TYPES[self.t]
+        n = min(len(self.pool) // q.block_bytes, 4096)
+        w = dequantize(self.pool[:n * q.block_bytes].reshape(1, -1), self.t, (1, n * q.block_values))
+        return float(np.sqrt(np.mean(np.asarray(w, dtype=np.float64) ** 2)))
+
+    def _scale(self, gain: float) -> None:
+        if self.t not in QUANT_TYPES:
+            v = self.pool.view(_np_dtype(self.t))
+            v[:] = (v.astype(np.float32) * np.float32(gain)).astype(v.dtype)
+            return
+        q = QUANT_TYPES[self.t]
+        b = self.pool.reshape(-1, self.unit)
+        if q.f16_scale_bytes is not None:    # mxfp4's e8m0 byte: the nearest power of two
+            lo, hi = q.f16_scale_bytes
+            b[:, 0] = np.clip(b[:, 0].astype(np.int32) + int(round(np.log2(gain))), lo, hi).astype(np.uint8)
+            return
+        for at, _ in q.f16_scales:
+            d = b[:, at:at + 2].copy().view(np.float16)
+            b[:, at:at + 2] = (d.astype(np.float32) * np.float32(gain)).astype(np.float16).view(np.uint8)
+
+    def _fill(self, t: str, rng: np.random.Generator) -> None:
+        from .reference import random_blocks
         if t == "q6_K":   # no random_blocks for it: quantized normals of the pool's float scale
             from .runtime.quantize import quantize_q6_k
             self.unit = 210
@@ -437,7 +498,7 @@ def write_model(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = "bl
     w.write_ti_data_to_file()
     fout = w.fout[0]
     weights = _Weights(spec, seed, skewed_router)
-    pools: dict[str, _BlockPool] = {}
+    pools: dict[tuple, _BlockPool] = {}
     rng = np.random.default_rng(seed)
     for i, (tname, shape, t) in enumerate(plan):
         w.write_padding(fout, fout.tell())
@@ -447,7 +508,8 @@ def write_model(path, spec: SynthSpec, qtype: str = "q4_0", *, source: str = "bl
         elif source == "float":
             fout.write(np.ascontiguousarray(weights.float_tensor(tname, shape, t)).tobytes())
         else:
-            pool = pools.get(t) or pools.setdefault(t, _BlockPool(t, rng))
+            rms = weights.pool_rms(tname, shape)
+            pool = pools.get((t, rms)) or pools.setdefault((t, rms), _BlockPool(t, rng, rms))
             skew = skewed_router and tname == "token_embd.weight" and t in QUANT_TYPES
             for c in pool.chunks(nb, rng):
                 fout.write(memoryview(_Weights.skew_embedding(c, t) if skew else c))

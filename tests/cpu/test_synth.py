@@ -186,3 +186,63 @@ def test_float_source_writes_k_quants_of_the_same_model(tmp_path):
     kl_k, kl_0, kl_5, kl_i = (kl_per_token(lg["f32"], lg[t]).mean() for t in ("q4_K", "q4_0", "q5_K", "iq4_xs"))
     print(f"mean KL to f32: q4_K {kl_k:.2e}, q4_0 {kl_0:.2e}, q5_K {kl_5:.2e}, iq4_xs {kl_i:.2e}")
     assert 0 < kl_k < 2 * kl_0 and 0 < kl_5 < kl_k and 0 < kl_i < 2 * kl_0
+
+
+def _expert_loads(path, n_tokens, seed=0):
+    """Tokens each expert takes in each layer of one prompt pass on the numpy backend."""
+    m = load_model(path, backend="numpy", n_ctx=n_tokens + 8)
+    seen, route = [], m.backend.route
+    m.backend.route = lambda *a: (lambda r: (seen.append(r[0][:, :m.hp.n_expert_used]), r)[1])(route(*a))
+    m.eval(np.random.default_rng(seed).integers(0, m.hp.n_vocab, size=n_tokens), want_logits=False)
+    return [np.bincount(ids.ravel(), minlength=m.hp.n_expert) for ids in seen]
+
+
+# 16 layers of 32 experts, top-4: deep enough for random layers' shared component to take
+# the routers over (it did at every depth before synth's write gain and signed scales)
+DEEP = dict(n_vocab=2048, n_embd=256, n_layer=16, n_head=4, n_head_kv=2, head_dim=64, n_ff_exp=64, n_expert=32,
+            n_expert_used=4, n_ctx=1024, rope_base=1e6, n_ff=512)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_block_source_routes_like_a_trained_model_at_every_depth(tmp_path, qtype):
+    """A synthetic prompt's expert loads stay near the mean in every layer (a trained router
+    keeps them so): no expert idle, none past 2.5x the mean. Random blocks with positive
+    scales (a biased mean summed over k) and random layers' writes as large as the token's
+    embedding sent every token to the same experts, and the GPU benchmarks timed a few
+    dense products where a model runs many small ones (DESIGN-NOTES "Synthetic models'
+    routing")."""
+    from moeforge.synth import SynthSpec, write_model
+    path = str(tmp_path / "deep.gguf")
+    write_model(path, SynthSpec(**DEEP), qtype, seed=4)
+    for layer, c in enumerate(_expert_loads(path, 512)):
+        assert c.min() > 0 and c.max() < 2.5 * c.mean(), (layer, np.sort(c)[::-1].tolist())
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4", "f16"])
+def test_block_pools_are_zero_mean_at_the_scale_asked(qtype):
+    """Each pool block's f16 scales take a random sign (random_blocks draws them positive:
+    q4_0's weights then average -d/2), and the pool is scaled to the tensor's RMS: the
+    embedding's unit, a matrix's 1/sqrt(k), the writes' WRITE_GAIN times that (mxfp4's
+    power-of-two scales: within a factor of sqrt(2))."""
+    from moeforge import reference as ref
+    from moeforge.codegen.quant import QUANT_TYPES
+    from moeforge.synth import _BlockPool, _Weights
+
+    def values(pool):
+        if qtype == "f16":
+            return pool.pool.view(np.float16).astype(np.float64)
+        q = QUANT_TYPES[qtype]
+        n = 8192
+        return ref.dequantize(pool.pool[:n * q.block_bytes].reshape(1, -1), qtype, (1, n * q.block_values)).ravel()
+
+    w = _Weights(None, 0, False)
+    want = {"token_embd.weight": 1.0, "blk.0.ffn_up_exps.weight": 2048 ** -0.5,
+            "blk.0.ffn_down_exps.weight": w.WRITE_GAIN * 768 ** -0.5}
+    for name, shape in (("blk.0.ffn_up_exps.weight", (8, 768, 2048)), ("token_embd.weight", (512, 2048)),
+                        ("blk.0.ffn_down_exps.weight", (8, 2048, 768))):
+        rms = w.pool_rms(name, shape)
+        assert rms == pytest.approx(want[name])
+        v = values(_BlockPool(qtype, np.random.default_rng(1), rms))
+        got = np.sqrt(np.mean(v ** 2))
+        assert abs(v.mean()) < 0.03 * got, (name, v.mean(), got)
+        assert abs(np.log(got / rms)) < (np.log(2) / 2 if qtype == "mxfp4" else 0.05), (name, got, rms)
