@@ -27,6 +27,31 @@ SIZE_LABELS = {("qwen3moe", 48): "30B.A3B", ("qwen3moe", 94): "235B.A22B", ("gpt
                ("deepseek2", 27): "16B", ("llama", 32): "8x7B", ("llama", 56): "8x22B"}
 
 
+def expert_loads(model, tokens) -> list[np.ndarray]:
+    """The routing a prompt pass of these tokens runs: per routed layer, the (token, slot)
+    entries each expert takes (scripts/routing_stats.py prints them). The pass runs eagerly
+    (no graphs), so each layer's ids are copied as they are made."""
+    b, seen = model.backend, []
+    route = b.route_tokens
+
+    def recording(*args, **kwargs):
+        ids, wts = route(*args, **kwargs)
+        seen.append(ids[:, :model.hp.n_expert_used].copy())    # the buffer is the next layer's too
+        return ids, wts
+    b.route_tokens = recording
+    graphs = getattr(b, "use_graphs", None)
+    if graphs is not None:
+        b.use_graphs = False
+    try:
+        model.eval(tokens, want_logits=False)
+    finally:
+        del b.route_tokens
+        if graphs is not None:
+            b.use_graphs = graphs
+    host = [ids.get() if hasattr(ids, "get") else np.asarray(ids) for ids in seen]
+    return [np.bincount(ids.ravel(), minlength=model.hp.n_expert) for ids in host]
+
+
 def model_label(m) -> str:
     """llama.cpp's description: architecture, size class, file type."""
     size = SIZE_LABELS.get((m.arch, m.hp.n_layer), "?B")

@@ -255,10 +255,9 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
     if q.name == "mxfp4":   # e8m0 scales 2^-11..2^-6 times levels up to 12: q4_0's weights
         blocks[:, :, 0] = rng.integers(117, 123, size=(rows, nb))
         return blocks.reshape(rows, nb * q.block_bytes)
-    # the f16 scales: q4_K's and q5_K's d, then dmin, at the block's start; q2_K's d and dmin,
-    # q3_K's and q6_K's d at its end
-    where = {"q4_K": (0, 2), "q5_K": (0, 2), "q2_K": (80, 82), "q3_K": (108,), "q6_K": (208,)}.get(q.name, (0,))
-    for at in where:
+    # the f16 scales (QuantType.f16_scales): q4_K's and q5_K's d, then dmin, at the block's
+    # start; q2_K's d and dmin, q3_K's and q6_K's d at its end
+    for at, _ in q.f16_scales:
         d = (rng.uniform(0.5, 1.5, size=(rows, nb)) * 2.0 ** rng.integers(-9, -5, size=(rows, nb)))
         if q.name == "q4_K":
             d /= 32   # times 6-bit sub-block scales and mins: weights of the same size

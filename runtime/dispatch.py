@@ -292,7 +292,6 @@ MMF_TYPES = MmfSpec.QTYPES
 # place of their own expert tile (MMF_EXPERT_TILE_OF) from MMF_WGMMA_MIN_TOKENS_PER_EXPERT
 # too (BENCHMARKS.md "wgmma for the super-block formats").
 WGMMA = True     # off: the mma.sync tiles everywhere (as MOEFORGE_WGMMA=0; scripts/dispatch_ab.py's switch)
-MMF_WGMMA_X = 128
 MMF_WGMMA_Y256_MIN_WAVES = 8
 # With them the f16 tiles win from 64 tokens an expert for every format that has them.
 # H200, the int8 default (the super-block formats' own f16 tile from 128) against the
@@ -410,12 +409,13 @@ def mmf_rule_spec(qtype: str, n: int, ids: bool, m: int | None, sm_count: int,
     own = ids and tile == MMF_EXPERT_TILE_OF.get(qtype) and \
         (tokens_per_expert is None or tokens_per_expert >= MMF_WGMMA_MIN_TOKENS_PER_EXPERT)
     if wgmma and splits == 1 and (tile == MMF_WIDE_TILE or own):
-        wide = ids and moe is not None and m is not None and \
-            moe_tiles(*moe, m, n, MMF_WGMMA_X, 256) >= MMF_WGMMA_Y256_MIN_WAVES * sm_count
-        for y in ((256, 128) if wide else (128,)):
-            spec = next((s for s in _wgmma_built(qtype) if (s.ids, s.y) == (ids, y)), None)
-            if spec is not None:
-                return spec
+        by_rows = {s.y: s for s in _wgmma_built(qtype) if s.ids == ids}
+        wide = by_rows.get(256)
+        if wide is not None and ids and moe is not None and m is not None and \
+                moe_tiles(*moe, m, n, wide.x, wide.y) >= MMF_WGMMA_Y256_MIN_WAVES * sm_count:
+            return wide
+        if 128 in by_rows:
+            return by_rows[128]
     return MmfSpec(qtype, x, y, warps, quant_type(qtype).whole_kblocks(kblocks), stages, ids=ids, splits=splits)
 
 

@@ -62,7 +62,6 @@ def run(pairs, out_rows, rng) -> None:
     print(f"{'model':<17} {'product':<8} {'type':<5} {'n':>5}  {'A':<28} {'tiles':>6} {'waves':>6} {'us':>8}  "
           f"{'B':<28} {'tiles':>6} {'waves':>6} {'us':>8}  {'B/A':>5} {'rand':>5} {'skew':>5}", flush=True)
     held = None      # (op, type, shape), weights: consecutive n of one product share them
-    timed = {}       # (key, spec): the A side of consecutive pairs that share it is timed once
     for (model, prod, key), a, b in pairs:
         same = held is not None and held[0] == (key.op, key.qtype, key.shape)
         case = Case(key, Settings(), rng, held[1] if same else None)
@@ -71,13 +70,8 @@ def run(pairs, out_rows, rng) -> None:
         cells, res = [], {}
         for tag, c in (("a", a), ("b", b)):
             info = preflight(c)
-            if tag == "a" and (key, c.spec) in timed:
-                res[tag] = timed[(key, c.spec)]
-            else:
-                check(case, c)
-                res[tag] = measure(case, c)
-                if tag == "a":
-                    timed = {(key, c.spec): res[tag]}
+            check(case, c)
+            res[tag] = measure(case, c)
             us = res[tag]["value"]
             tiles, w = waves(c, key, sm, info["blocks_per_sm"])
             row.update({f"{tag}_spec": c.spec.name, f"{tag}_us": us, f"{tag}_tiles": tiles, f"{tag}_waves": w},

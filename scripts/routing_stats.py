@@ -12,27 +12,8 @@ import argparse
 
 import numpy as np
 
+from moeforge.bench_model import expert_loads
 from moeforge.runtime.model import load_model
-
-
-def expert_loads(model, tokens) -> list[np.ndarray]:
-    """Per routed layer: the count of (token, slot) entries each expert takes."""
-    b, seen = model.backend, []
-    route = b.route_tokens
-
-    def recording(*args, **kwargs):
-        ids, wts = route(*args, **kwargs)
-        seen.append(ids[:, :model.hp.n_expert_used].copy())    # the buffer is the next layer's too
-        return ids, wts
-    b.route_tokens = recording
-    if hasattr(b, "use_graphs"):
-        b.use_graphs = False
-    try:
-        model.eval(tokens, want_logits=False)
-    finally:
-        del b.route_tokens
-    host = [ids.get() if hasattr(ids, "get") else np.asarray(ids) for ids in seen]
-    return [np.bincount(ids.ravel(), minlength=model.hp.n_expert) for ids in host]
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from moeforge.bench_model import expert_loads
 from moeforge.runtime.backend_numpy import NumpyBackend
 from moeforge.runtime.gguf_file import GGUFFile
 from moeforge.runtime.model import load_model
@@ -73,14 +74,10 @@ def test_gpt_oss_presets_have_the_published_parameter_counts(name, total, active
 def test_skewed_router_concentrates_tokens(tmp_path, qtype):
     path = str(tmp_path / "s.gguf")
     write_qwen3moe(path, preset("tiny-k" if qtype == "q4_K" else "tiny"), qtype, seed=2, skewed_router=True)
-    m = load_model(path, backend="numpy")
-    seen = []
-    route = m.backend.route
-    m.backend.route = lambda *a: (lambda r: (seen.append(r[0]), r)[1])(route(*a))
-    m.logits(np.arange(200) % 500)
-    assert len(seen) == 2
-    for ids in seen:   # per layer: the two hottest experts take most slots (uniform: 25%)
-        counts = np.sort(np.bincount(ids.ravel(), minlength=8))
+    loads = expert_loads(load_model(path, backend="numpy"), np.arange(200) % 500)
+    assert len(loads) == 2
+    for c in loads:   # per layer: the two hottest experts take most slots (uniform: 25%)
+        counts = np.sort(c)
         assert counts[-2:].sum() > 0.5 * counts.sum(), counts
 
 
@@ -188,15 +185,6 @@ def test_float_source_writes_k_quants_of_the_same_model(tmp_path):
     assert 0 < kl_k < 2 * kl_0 and 0 < kl_5 < kl_k and 0 < kl_i < 2 * kl_0
 
 
-def _expert_loads(path, n_tokens, seed=0):
-    """Tokens each expert takes in each layer of one prompt pass on the numpy backend."""
-    m = load_model(path, backend="numpy", n_ctx=n_tokens + 8)
-    seen, route = [], m.backend.route
-    m.backend.route = lambda *a: (lambda r: (seen.append(r[0][:, :m.hp.n_expert_used]), r)[1])(route(*a))
-    m.eval(np.random.default_rng(seed).integers(0, m.hp.n_vocab, size=n_tokens), want_logits=False)
-    return [np.bincount(ids.ravel(), minlength=m.hp.n_expert) for ids in seen]
-
-
 # 16 layers of 32 experts, top-4: deep enough for random layers' shared component to take
 # the routers over (it did at every depth before synth's write gain and signed scales)
 DEEP = dict(n_vocab=2048, n_embd=256, n_layer=16, n_head=4, n_head_kv=2, head_dim=64, n_ff_exp=64, n_expert=32,
@@ -214,7 +202,8 @@ def test_block_source_routes_like_a_trained_model_at_every_depth(tmp_path, qtype
     from moeforge.synth import SynthSpec, write_model
     path = str(tmp_path / "deep.gguf")
     write_model(path, SynthSpec(**DEEP), qtype, seed=4)
-    for layer, c in enumerate(_expert_loads(path, 512)):
+    m = load_model(path, backend="numpy", n_ctx=520)
+    for layer, c in enumerate(expert_loads(m, np.random.default_rng(0).integers(0, m.hp.n_vocab, size=512))):
         assert c.min() > 0 and c.max() < 2.5 * c.mean(), (layer, np.sort(c)[::-1].tolist())
 
 
