@@ -271,6 +271,10 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
             d /= 256  # times int8 scales and q - 32: weights of the same size
         if q.name == "iq4_xs":
             d /= 256  # times ls - 32 and levels up to 127: the same
+        # random signs: ggml's quantizers give q4_0's and q6_K's d and q4_1's m either sign,
+        # and a positive-only d biases every weight one way (q4_0's mean -d/2); every
+        # format's kernel must read a negative scale right, so every scale gets one
+        d *= rng.choice((-1.0, 1.0), size=(rows, nb))
         blocks[:, :, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     return blocks.reshape(rows, nb * q.block_bytes)
 

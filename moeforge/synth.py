@@ -388,22 +388,17 @@ class _Weights:
 
 class _BlockPool:
     """Random valid blocks of one type (or unit normals of a float type); tensors are
-    copied out of it from random block offsets, wrapping around. Each block's f16 scales
-    take a random sign, as a quantized zero-mean weight's do: random_blocks' positive
-    scales give q4_0 weights a mean of -d/2 (and q4_K's, q5_K's, q2_K's a positive one),
-    which summed over k outweighs everything else a product computes. rms: the pool's
-    values scaled to this root mean square (_Weights.pool_rms)."""
+    copied out of it from random block offsets, wrapping around. The blocks' f16 scales
+    have random signs (random_blocks), so the weights are zero-mean: positive scales alone
+    give q4_0 weights a mean of -d/2 (q4_K's, q5_K's, q2_K's a positive one), which summed
+    over k outweighs everything else a product computes and sends every token to the same
+    experts. rms: the pool's values scaled to this root mean square (_Weights.pool_rms)."""
 
     POOL_BYTES = 48 << 20
 
     def __init__(self, t: str, rng: np.random.Generator, rms: float | None = None):
         self.t = t
         self._fill(t, rng)
-        if t in QUANT_TYPES:
-            b = self.pool.reshape(-1, self.unit)
-            flip = rng.integers(0, 2, size=len(b), dtype=np.uint8) << 7
-            for at, _ in QUANT_TYPES[t].f16_scales:    # all of a block's together: its weights negated
-                b[:, at + 1] ^= flip
         if rms is not None:
             self._scale(rms / self._rms())
 

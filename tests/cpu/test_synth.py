@@ -209,8 +209,8 @@ def test_block_source_routes_like_a_trained_model_at_every_depth(tmp_path, qtype
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4", "f16"])
 def test_block_pools_are_zero_mean_at_the_scale_asked(qtype):
-    """Each pool block's f16 scales take a random sign (random_blocks draws them positive:
-    q4_0's weights then average -d/2), and the pool is scaled to the tensor's RMS: the
+    """Each pool block's f16 scales have random signs (positive ones alone make q4_0's
+    weights average -d/2), and the pool is scaled to the tensor's RMS: the
     embedding's unit, a matrix's 1/sqrt(k), the writes' WRITE_GAIN times that (mxfp4's
     power-of-two scales: within a factor of sqrt(2))."""
     from moeforge import reference as ref
