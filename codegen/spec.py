@@ -142,12 +142,13 @@ class ModelSpec(KernelSpec):
         *(f"attn_decode_gqa_tc_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route", "router_route_cluster",
         "route_topk", "router_route_keyed", "router_route_cluster_keyed", "route_topk_keyed", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
-        "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa",
+        "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa", "kv_rows_f16",
         "rope_yarn_store", "add_bias", "glu_oai_id", "mla_rope_store", "attn_decode_mla", "attn_decode_mla_merge", "attn_prefill_mla",
     )
-    # prompt attention kernels that read a float32 cache as it is (tf32 and FMA): an f16
-    # cache's module has only attn_prefill_fa (runtime.prompt_attention.kernel_for)
-    F32_CACHE_ONLY: ClassVar[tuple[str, ...]] = ("attn_prefill", "attn_prefill_tc")
+    # prompt attention kernels that read a float32 cache as it is (tf32 and FMA), and the
+    # rounding of its rows to f16 for attn_prefill_fa: an f16 cache's module has only
+    # attn_prefill_fa (runtime.prompt_attention.kernel_for)
+    F32_CACHE_ONLY: ClassVar[tuple[str, ...]] = ("attn_prefill", "attn_prefill_tc", "kv_rows_f16")
 
     @property
     def kernels(self) -> tuple[str, ...]:

@@ -319,6 +319,14 @@ class CudaAttentionOps:
     def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name, smem_limit: int, extra):
         hp = self.hp
         out = self.ws(name, (n, hp.q_dim))
+        if kernel.startswith("attn_prefill_fa") and self.cache_type == "f32":
+            # attn_prefill_fa reads f16 rows: a float32 cache's, up to the pass's last
+            # position, rounded once for all its blocks (the rounding its tiles had)
+            kh = self.ws("attn_k_f16", kc.shape, np.float16)
+            vh = self.ws("attn_v_f16", vc.shape, np.float16)
+            self.kernel("kv_rows_f16")((2 * self._device()["sm_count"],), (256,), (
+                kc, vc, pos, _i32(n), _i32(kc.shape[1]), extra[1], kh, vh))
+            kc, vc = kh, vh
         args = (q, kc, vc, pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv), _i32(hp.head_dim),
                 _f32(scale * math.log2(math.e)))
         smem = prompt_attention.smem_bytes(hp, kernel)

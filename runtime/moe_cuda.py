@@ -64,7 +64,8 @@ class CudaMoeOps:
         n, d = x.shape
         top_k = 0 if y is None else y.shape[1]
         out = self.ws(name, x.shape)
-        self.kernel("moe_combine_rms_norm")((n,), (1024,), (
+        threads = 1024 if n <= dispatch.MMVQ_MAX_TOKENS else dispatch.COMBINE_PROMPT_THREADS
+        self.kernel("moe_combine_rms_norm")((n,), (threads,), (
             x, x if y is None else y, wts, w, out, _i32(top_k), _i32(d), _f32(eps), *self._norm_q8(out),
             _NULL if bias is None else bias, _NULL if ids is None else ids, _i32(wts.shape[1])))
         return out

@@ -104,15 +104,13 @@ def threads(hp, kernel: str) -> int:
 def smem_bytes(hp, kernel: str, bufs: int = 2, cache: str = "f32") -> int:
     """A block's dynamic shared memory, row strides as in the kernels: attn_prefill holds q
     rows, two key and two value tiles and the probabilities (floats); attn_prefill_tc q rows
-    (tf32) and `bufs` 64-key tiles of keys and values (float32); attn_prefill_fa two key and
-    value tiles (f16) and `bufs` staging tiles of keys and values (float32), or with an f16
-    cache `bufs` key and value tiles (f16). (attn_prefill_fa's q lives in registers.)"""
+    (tf32) and `bufs` 64-key tiles of keys and values (float32); attn_prefill_fa `bufs` key
+    and value tiles (f16) whatever the cache (a float32 cache's rows are rounded to f16
+    before it runs, kv_rows_f16). (attn_prefill_fa's q lives in registers.)"""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     tokens = ROWS.get(kernel, 0)
     if kernel.startswith("attn_prefill_fa"):
-        if cache == "f16":
-            return 2 * 2 * bufs * KEYS * (hd + 8)
-        return 2 * 2 * 2 * KEYS * (hd + 8) + 4 * 2 * bufs * KEYS * hd
+        return 2 * 2 * bufs * KEYS * (hd + 8)
     if kernel == "attn_prefill_tc":
         return 4 * (g * tokens * (hd + 4) + bufs * KEYS * (hd + 4) + bufs * KEYS * (hd + 8))
     return 4 * (g * tokens * hd + 2 * 32 * (hd + 1) + 2 * 32 * hd + g * tokens * 32)

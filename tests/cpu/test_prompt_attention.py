@@ -72,8 +72,8 @@ def test_shared_memory_of_qwen3_heads():
     assert smem_bytes(hp, "attn_prefill_tc") == 4 * (8 * 16 * 132 + 2 * 64 * 132 + 2 * 64 * 136)
     assert smem_bytes(hp, "attn_prefill") == 4 * (8 * 8 * 128 + 2 * 32 * 129 + 2 * 32 * 128 + 8 * 8 * 32)
     assert smem_bytes(hp, "attn_prefill_tc") <= 227 * 1024             # one block on an H100
-    # two f16 key and value tiles and two float32 staging tiles, or `bufs` f16 tiles
-    assert smem_bytes(hp, "attn_prefill_fa128") == 2 * 2 * 2 * 64 * 136 + 4 * 2 * 2 * 64 * 128
+    # `bufs` f16 key and value tiles, whatever the cache (kv_rows_f16 rounds a float32 one)
+    assert smem_bytes(hp, "attn_prefill_fa128") == 2 * 2 * 2 * 64 * 136
     assert smem_bytes(hp, "attn_prefill_fa128") <= 227 * 1024
     assert smem_bytes(hp, "attn_prefill_fa128", bufs=3, cache="f16") == 2 * 2 * 3 * 64 * 136
     assert 2 * (smem_bytes(_hp(64, 8, 64), "attn_prefill_fa64") + 1024) <= 228 * 1024   # two blocks an SM
@@ -81,8 +81,17 @@ def test_shared_memory_of_qwen3_heads():
     assert smem_bytes(_hp(64, 4, 128), "attn_prefill") <= 227 * 1024
 
 
-@pytest.mark.parametrize("precision,kernel,small", [("f16", "attn_prefill_fa128", "attn_prefill_fa"),
-                                                   ("tf32", "attn_prefill_tc", "attn_prefill_tc")])
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+def test_f16_prompt_attention_is_double_buffered_on_every_card(cache):
+    """attn_prefill_fa's tiles are f16 whatever the cache: two buffers of Qwen3's heads
+    (68 KB) fit an H100, an A100 and the 99 KB of an sm_86/89 card."""
+    hp = _hp(32, 4, 128)
+    for cc, limit in (("9.0", 227), ("8.0", 163), ("8.6", 99)):
+        assert kernel_for(hp, cc, "f16", smem_limit=limit * 1024, cache=cache) == "attn_prefill_fa128"
+        assert tile_buffers(hp, limit * 1024, "attn_prefill_fa128", cache) == 2
+
+
+@pytest.mark.parametrize("precision,kernel,small", [("tf32", "attn_prefill_tc", "attn_prefill_tc")])
 def test_a_card_with_less_shared_memory_gets_a_kernel_that_fits(precision, kernel, small):
     hp = _hp(32, 4, 128)
     assert kernel_for(hp, "9.0", precision, smem_limit=227 * 1024) == kernel

@@ -277,9 +277,12 @@ def test_fused_model_kernels_match_their_compositions(parity_models):
         np.testing.assert_allclose(a.get(), b.get(), rtol=2e-5, atol=2e-5)
     x, y, w = rnd(n, hp.n_embd), rnd(n, hp.n_embd), rnd(hp.n_embd)
     y3, wts = rnd(n, hp.n_expert_used, hp.n_embd), rnd(n, hp.n_expert_used)
+    nx = 3 * n      # past the decode sizes: the prompt's blocks (dispatch.COMBINE_PROMPT_THREADS)
+    x2, y32, wts2 = rnd(nx, hp.n_embd), rnd(nx, hp.n_expert_used, hp.n_embd), rnd(nx, hp.n_expert_used)
     cp.cuda.Stream.null.synchronize()
-    for fused, plain, args in ((B.add_rms_norm_, Backend.add_rms_norm_, (y, w)),
-                               (B.moe_combine_rms_norm_, Backend.moe_combine_rms_norm_, (y3, wts, w))):
+    for fused, plain, args, x in ((B.add_rms_norm_, Backend.add_rms_norm_, (y, w), x),
+                                  (B.moe_combine_rms_norm_, Backend.moe_combine_rms_norm_, (y3, wts, w), x),
+                                  (B.moe_combine_rms_norm_, Backend.moe_combine_rms_norm_, (y32, wts2, w), x2)):
         xa, xb = x.copy(), x.copy()
         cp.cuda.Stream.null.synchronize()
         with B.context():

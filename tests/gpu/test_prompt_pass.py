@@ -73,6 +73,7 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n, bufs):
         cache.v[il].set(vc)
         out = B.ws("attn", (n, hp.q_dim))
         out.fill(cp.nan)
+        poison_f16_rows(B, ctx)
         got = B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn").get()
         again = B.attention(cache, il, cp.asarray(q), cp.asarray(pos), pos0, n, "attn").get()
     exact = _attention64(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos, hp)
@@ -96,6 +97,14 @@ def test_attn_prefill_matches_its_references(kernel, heads, pos0, n, bufs):
     assert err.max() < 2.0 ** -9 * np.abs(vc).max(), f"max abs error {err.max():.2e} against the emulation"
     nmse = ((got - exact) ** 2).sum() / (exact ** 2).sum()
     assert nmse < 5e-4, f"NMSE {nmse:.2e} against float64"
+
+
+def poison_f16_rows(B, ctx: int) -> None:
+    """NaN in the f16 rows attn_prefill_fa reads from a float32 cache (kv_rows_f16 writes
+    them first): a row it reads and was not given would reach the output (0 * NaN)."""
+    import cupy as cp
+    for name in ("attn_k_f16", "attn_v_f16"):
+        B.ws(name, (ctx, B.hp.kv_dim), np.float16).fill(cp.nan)
 
 
 @pytest.mark.parametrize("precision,heads", [("f16", (64, 8, 64)), ("f16", (8, 2, 32)), ("f16", (32, 4, 128)),
@@ -123,6 +132,7 @@ def test_tensor_core_prompt_attention_with_sinks_and_windows(precision, heads, p
         cache.k[0].set(kc)
         cache.v[0].set(vc)
         B.ws("attn", (n, hp.q_dim)).fill(cp.nan)
+        poison_f16_rows(B, ctx)     # a window's rows before its first key tile stay NaN
         args = (cache, 0, cp.asarray(q), cp.asarray(pos), pos0, n, "attn")
         got = B.attention(*args, sinks=cp.asarray(sinks), window=window).get()
         again = B.attention(*args, sinks=cp.asarray(sinks), window=window).get()
