@@ -121,7 +121,8 @@ def mmf_specs(q: QuantType) -> list[MmfSpec]:
 
 
 def all_specs(types: list[QuantType]) -> list[KernelSpec]:
-    specs: list[KernelSpec] = [UtilSpec(), *(ModelSpec(cache=c) for c in ModelSpec.CACHE_TYPES)]
+    specs: list[KernelSpec] = [UtilSpec(), *(ModelSpec(cache=c, wgmma=w) for w in (False, True)
+                                             for c in ModelSpec.CACHE_TYPES)]
     for q in types:
         specs += mmq_specs(q)
         specs += mmvq_specs(q)

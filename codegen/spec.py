@@ -98,19 +98,32 @@ class ModelSpec(KernelSpec):
     norms and their fusions, RoPE, the KV store, attention, routing, SwiGLU, the expert sum.
     The limits size fixed arrays in the kernels; the backend refuses a model past them.
     cache: the KV cache's element type, which every kernel that reads or writes the cache
-    is built for ("f16": half the bytes, values rounded to nearest even when stored)."""
+    is built for ("f16": half the bytes, values rounded to nearest even when stored).
+    wgmma: the module also holds prompt attention on wgmma (attn_prefill_wg128 and the V^T
+    rows it reads), so it is built for sm_90a and runs on sm_90 only; without it the module
+    is what it was, byte for byte."""
     family: ClassVar[str] = "model"
     template: ClassVar[str] = "model.cu.j2"
     max_experts: int = 512      # routing holds a token's logits in registers, 32 lanes wide
     max_head_dim: int = 256     # the widest head the backend takes (at most the widest decode attention)
     cache: str = "f32"
+    wgmma: bool = False
     DENSE_TILE: ClassVar[int] = 64     # dense_f32_tiled: rows and tokens of a tile
     DENSE_STEP: ClassVar[int] = 16     # its k of a step (a split of k is a multiple of it)
     CACHE_TYPES: ClassVar[tuple[str, ...]] = ("f32", "f16")
 
     @property
     def name(self) -> str:
-        return f"model-e{self.max_experts}h{self.max_head_dim}" + ("" if self.cache == "f32" else f"-c{self.cache}")
+        return (f"model-e{self.max_experts}h{self.max_head_dim}" + ("" if self.cache == "f32" else f"-c{self.cache}")
+                + ("-wg" if self.wgmma else ""))
+
+    def supports(self, arch: str) -> bool:
+        return not self.wgmma or arch == "sm_90"
+
+    def nvrtc_arch(self, arch: str) -> str:
+        if not self.supports(arch):
+            raise ValueError(f"{self.name}: wgmma runs on sm_90 only, not {arch}")
+        return "sm_90a" if self.wgmma else arch
 
     def check(self) -> None:
         if self.cache not in self.CACHE_TYPES:
@@ -150,10 +163,14 @@ class ModelSpec(KernelSpec):
     # attn_prefill_fa (runtime.prompt_attention.kernel_for)
     F32_CACHE_ONLY: ClassVar[tuple[str, ...]] = ("attn_prefill", "attn_prefill_tc", "kv_rows_f16")
 
+    # prompt attention on wgmma (spec.wgmma) and the V^T rows it reads
+    WGMMA_KERNELS: ClassVar[tuple[str, ...]] = ("attn_prefill_wg128", "kv_rows_f16t")
+
     @property
     def kernels(self) -> tuple[str, ...]:
         """The kernels of this instance's module."""
-        return self.KERNELS if self.cache == "f32" else tuple(k for k in self.KERNELS if k not in self.F32_CACHE_ONLY)
+        base = self.KERNELS if self.cache == "f32" else tuple(k for k in self.KERNELS if k not in self.F32_CACHE_ONLY)
+        return base + (self.WGMMA_KERNELS if self.wgmma else ())
 
 
 @dataclass(frozen=True)

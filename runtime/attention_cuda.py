@@ -241,7 +241,7 @@ class CudaAttentionOps:
             return out
         info = self._device()
         kernel = prompt_attention.kernel_for(hp, info["cc"], self.attn_precision or "f32", info["smem_per_block_optin"],
-                                             self.cache_type)
+                                             self.cache_type, self.spec.wgmma)
         if kernel is not None:
             return self._attn_prefill(kernel, kc, vc, q, pos, n, scale, name, info["smem_per_block_optin"], extra)
         return self._attn_cublas(kc, vc, q, pos0, n, scale, extra)
@@ -319,6 +319,8 @@ class CudaAttentionOps:
     def _attn_prefill(self, kernel, kc, vc, q, pos, n, scale, name, smem_limit: int, extra):
         hp = self.hp
         out = self.ws(name, (n, hp.q_dim))
+        if kernel == prompt_attention.WG_KERNEL:
+            return self._attn_prefill_wg(kc, vc, q, pos, n, scale, out, extra)
         if kernel.startswith("attn_prefill_fa") and self.cache_type == "f32":
             # attn_prefill_fa reads f16 rows: a float32 cache's, up to the pass's last
             # position, rounded once for all its blocks (the rounding its tiles had)
@@ -338,4 +340,22 @@ class CudaAttentionOps:
         self.kernel(kernel)((hp.n_head_kv * prompt_attention.blocks_per_kv_head(hp, kernel),
                              -(-n // prompt_attention.rows(hp, kernel))),
                             (prompt_attention.threads(hp, kernel),), args, smem=smem)
+        return out
+
+    def _attn_prefill_wg(self, kc, vc, q, pos, n, scale, out, extra):
+        """attn_prefill_wg128: kv_rows_f16t writes V^T (and a float32 cache's K as f16 rows)
+        for the pass's positions, rows of the cache's length rounded up to whole 64-key
+        tiles; then attn_prefill_fa's grid and block."""
+        hp = self.hp
+        kernel = prompt_attention.WG_KERNEL
+        ctx = kc.shape[0]
+        stride = -(-ctx // prompt_attention.KEYS) * prompt_attention.KEYS
+        vt = self.ws("attn_vt_f16", (hp.n_head_kv, hp.head_dim, stride), np.float16)
+        kh = self.ws("attn_k_f16", kc.shape, np.float16) if self.cache_type == "f32" else None
+        self.kernel("kv_rows_f16t")((2 * self._device()["sm_count"],), (256,), (
+            kc, vc, pos, _i32(n), _i32(hp.n_head_kv), extra[1], _i32(stride), _NULL if kh is None else kh, vt))
+        self.kernel(kernel)((hp.n_head_kv * prompt_attention.blocks_per_kv_head(hp, kernel),
+                             -(-n // prompt_attention.rows(hp, kernel))), (prompt_attention.threads(hp, kernel),), (
+            q, kc if kh is None else kh, vt, _i32(stride), pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv),
+            _f32(scale * math.log2(math.e)), *extra), smem=prompt_attention.smem_bytes(hp, kernel))
         return out

@@ -40,10 +40,16 @@ class GpuWeight:
 class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
     name = "cuda"
 
-    def __init__(self, hp, attn_precision: str | None = None, cache_type: str = "f32"):
+    def __init__(self, hp, attn_precision: str | None = None, cache_type: str = "f32", attn_wgmma: bool | None = None):
         cp = require_gpu("the cuda backend")
         super().__init__(hp, attn_precision, cache_type)
-        self.spec = lim = ModelSpec(cache=self.cache_type)   # the model kernels, built for the cache's type
+        # the model kernels, built for the cache's type; with prompt attention on wgmma
+        # (attn_wgmma None: dispatch.attn_wgmma_available()) a module of its own, for sm_90a
+        if attn_wgmma is None:
+            attn_wgmma = dispatch.attn_wgmma_available()
+        elif attn_wgmma and dispatch._device_cc_major() != 9:
+            raise ValueError("attn_wgmma: prompt attention on wgmma runs on sm_90 (H100, H200) only")
+        self.spec = lim = ModelSpec(cache=self.cache_type, wgmma=bool(attn_wgmma))
         # latent attention's rows (576 wide) have kernels of their own (attn_decode_mla) and cuBLAS
         if hp.n_expert > lim.max_experts or (hp.head_dim > lim.max_head_dim and not hp.mla) or hp.n_expert_used > 32:
             raise ValueError(f"the cuda backend handles up to {lim.max_experts} experts, 32 of them per token, and "

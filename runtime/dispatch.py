@@ -345,6 +345,21 @@ def wgmma_available() -> bool:
     return _wgmma_enabled() and _device_cc_major() == 9
 
 
+# Prompt attention on wgmma (attn_prefill_wg128 in the model module built with
+# ModelSpec.wgmma, sm_90a): attention alone on an H200, Qwen3's heads from an empty context,
+# 4096 tokens 711 -> 583 us a layer, 2048 208 -> 181 (kv_rows_f16 + attn_prefill_fa128
+# against kv_rows_f16t + it), the same bits on every case tried (BENCHMARKS.md, twelfth
+# session). Off until its runtime path has run the GPU suite (written after the device time
+# was spent): MOEFORGE_ATTN_WGMMA=1 turns it on, =0 off whatever this says.
+ATTN_WGMMA = False
+
+
+def attn_wgmma_available() -> bool:
+    """The model module with prompt attention on wgmma: sm_90 and switched on."""
+    on = os.environ.get("MOEFORGE_ATTN_WGMMA", "1" if ATTN_WGMMA else "0") != "0"
+    return on and _device_cc_major() == 9
+
+
 def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | None = None,
                moe: tuple[int, int] | None = None) -> Choice | None:
     """The f16 tiles in place of any int8 choice, profile or default, where they won every

@@ -27,6 +27,10 @@ ROWS = {"attn_prefill": 8, "attn_prefill_tc": 16}   # query tokens per block (at
 KEYS, HALF = 64, 32                      # the tensor-core kernels: keys per tile, per warp
 FA_EXACT = (64, 128)                     # attn_prefill_fa's instances for heads of exactly that width
 FA_WARPS = 8
+# attn_prefill_fa's block layout: attn_prefill_wg128 (wgmma, ModelSpec.wgmma) keeps it
+FA_BLOCKS = ("attn_prefill_fa", "attn_prefill_wg")
+WG_KERNEL, WG_HEAD_DIM = "attn_prefill_wg128", 128
+WG_TILE_BYTES = 2 * 64 * 128 * 2                # a tile's K and V^T, f16
 # the online softmax of each precision's kernel: keys a step, and the parts a row's steps
 # are dealt to in turn (each with its own max and sums, merged at the end)
 LAYOUT = {"f16": (KEYS, 1), "tf32": (HALF, 2)}
@@ -39,7 +43,7 @@ def fa_kernel(head_dim: int) -> str:
 
 
 def tensor_core(kernel: str | None) -> bool:
-    return kernel is not None and (kernel == "attn_prefill_tc" or kernel.startswith("attn_prefill_fa"))
+    return kernel is not None and (kernel == "attn_prefill_tc" or kernel.startswith(FA_BLOCKS))
 
 
 def check_precision(precision: str) -> str:
@@ -48,17 +52,22 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = None, cache: str = "f32") -> str | None:
+def kernel_for(hp, cc: str, precision: str = "f16", smem_limit: int | None = None, cache: str = "f32",
+               wgmma: bool = False) -> str | None:
     """The prompt attention kernel for these heads at this precision, None where none takes
     them (cuBLAS then, eagerly). The tensor-core kernels (sm_80+): head widths up to 128,
     multiples of 16 (f16) or 32 (tf32); attn_prefill_tc query heads in groups of up to 8,
     attn_prefill_fa groups of any size (in blocks of up to 8 of their heads). attn_prefill (float32
     FMA, also where a tensor-core one cannot run): groups of up to 16, widths multiples of 4
     up to 128, a float32 cache. smem_limit: a block's shared memory on the card (none: any
-    fits). cache: the KV cache's type ("f16" takes precision "f16")."""
+    fits). cache: the KV cache's type ("f16" takes precision "f16"). wgmma: the module has
+    attn_prefill_wg128 (ModelSpec.wgmma, sm_90), which then takes f16 heads 128 wide."""
     check_precision(precision)
     if hp.n_head % hp.n_head_kv or hp.head_dim > 128:
         return None
+    if (wgmma and precision == "f16" and hp.head_dim == WG_HEAD_DIM and cc.split(".")[0] == "9"
+            and (smem_limit is None or smem_bytes(hp, WG_KERNEL) <= smem_limit)):
+        return WG_KERNEL
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     fits = lambda kernel: smem_limit is None or smem_bytes(hp, kernel, bufs=1, cache=cache) <= smem_limit  # noqa: E731
     kernel = {"f16": fa_kernel(hd), "tf32": "attn_prefill_tc"}.get(precision)
@@ -79,15 +88,15 @@ def fa_heads(hp) -> int:
 
 def rows(hp, kernel: str) -> int:
     """Query tokens a block: attn_prefill_fa 16 a warp, its 8 warps over the block's heads
-    first (8 // fa_heads token tiles of 16)."""
-    if kernel.startswith("attn_prefill_fa"):
+    first (8 // fa_heads token tiles of 16; attn_prefill_wg128 the same)."""
+    if kernel.startswith(FA_BLOCKS):
         return 16 * (FA_WARPS // fa_heads(hp))
     return ROWS[kernel]
 
 
 def blocks_per_kv_head(hp, kernel: str) -> int:
     """attn_prefill_fa: the group's heads in blocks of fa_heads; the others: one."""
-    return hp.n_head // hp.n_head_kv // fa_heads(hp) if kernel.startswith("attn_prefill_fa") else 1
+    return hp.n_head // hp.n_head_kv // fa_heads(hp) if kernel.startswith(FA_BLOCKS) else 1
 
 
 def threads(hp, kernel: str) -> int:
@@ -95,7 +104,7 @@ def threads(hp, kernel: str) -> int:
     warp per head and 16 tokens, up to 8; the other tensor-core kernels sixteen warps whatever
     the group (two per head of up to 8; those past the group only copy key tiles)."""
     g = hp.n_head // hp.n_head_kv
-    if kernel.startswith("attn_prefill_fa"):
+    if kernel.startswith(FA_BLOCKS):
         hb = fa_heads(hp)
         return 32 * hb * (FA_WARPS // hb)
     return 32 * g if kernel == "attn_prefill" else 512
@@ -109,6 +118,8 @@ def smem_bytes(hp, kernel: str, bufs: int = 2, cache: str = "f32") -> int:
     before it runs, kv_rows_f16). (attn_prefill_fa's q lives in registers.)"""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     tokens = ROWS.get(kernel, 0)
+    if kernel == WG_KERNEL:      # two tiles from a 1024-byte boundary (the swizzle's period)
+        return 2 * WG_TILE_BYTES + 1024
     if kernel.startswith("attn_prefill_fa"):
         return 2 * 2 * bufs * KEYS * (hd + 8)
     if kernel == "attn_prefill_tc":

@@ -10,24 +10,43 @@ from moeforge.codegen.spec import ModelSpec
 
 
 @pytest.mark.parametrize("cache", ModelSpec.CACHE_TYPES)
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_model_kernels_compile(arch, cache, generated):
-    """Both modules (a float32 and an f16 KV cache) build, and the decode attention kernels
-    and attn_prefill_fa do not spill (the FMA prompt kernel spills 4 bytes on sm_80). The
-    compile plan builds them (~40 s each on 2 cores): found in its cache, read from it."""
-    spec = ModelSpec(cache=cache)
+@pytest.mark.parametrize("arch,wgmma", [("sm_80", False), ("sm_90", False), ("sm_90", True)])
+def test_model_kernels_compile(arch, wgmma, cache, generated):
+    """Both modules (a float32 and an f16 KV cache) build, with prompt attention on wgmma
+    too on sm_90 (sm_90a), and the decode attention kernels and the f16 prompt kernels do
+    not spill (the FMA prompt kernel spills 4 bytes on sm_80). The compile plan builds them
+    (~40 s each on 2 cores): found in its cache, read from it."""
+    spec = ModelSpec(cache=cache, wgmma=wgmma)
     compiled = compile_spec(spec, arch, generated[0])
     assert compiled.cached
     assert compiled.cubin.stat().st_size > 0
     assert set(spec.kernels) <= set(compiled.info), sorted(set(spec.kernels) - set(compiled.info))
     for k in spec.kernels:
-        if k.startswith(("attn_decode", "attn_prefill_fa")):
+        if k.startswith(("attn_decode", "attn_prefill_fa", "attn_prefill_wg")):
             assert compiled.info[k]["spill_stores"] == 0, (k, compiled.info[k])
 
 
+def test_the_wgmma_module_is_its_own_sm_90a_instance():
+    """Prompt attention on wgmma lives in a module of its own (sm_90a); without it the
+    module's source is what it was, so the default path's binary does not change."""
+    plain, wg = ModelSpec(), ModelSpec(wgmma=True)
+    assert wg.name == "model-e512h256-wg" and ModelSpec(cache="f16", wgmma=True).name == "model-e512h256-cf16-wg"
+    assert set(wg.kernels) - set(plain.kernels) == {"attn_prefill_wg128", "kv_rows_f16t"}
+    assert wg.nvrtc_arch("sm_90") == "sm_90a" and plain.nvrtc_arch("sm_90") == "sm_90"
+    assert not wg.supports("sm_80") and plain.supports("sm_80")
+    with pytest.raises(ValueError, match="sm_90 only"):
+        wg.nvrtc_arch("sm_80")
+    a, b = render(plain), render(wg)
+    assert "attn_prefill_wg128" not in a and "wgmma.mma_async" not in a
+    start = b.index("// Prompt attention on wgmma (sm_90a")
+    end = b.index("// DeepSeek's latent attention before it", start)
+    assert b[:start] + b[end:] == a
+
+
+@pytest.mark.parametrize("wgmma", [False, True])
 @pytest.mark.parametrize("cache", ModelSpec.CACHE_TYPES)
-def test_every_kernel_is_listed(cache):
-    spec = ModelSpec(cache=cache)
+def test_every_kernel_is_listed(cache, wgmma):
+    spec = ModelSpec(cache=cache, wgmma=wgmma)
     src = render(spec)
     for k in spec.kernels:
         assert re.search(rf'extern "C" __global__ void (RC_CLUSTER )?(__launch_bounds__\([\w, *]+\)\s+)?{k}\(', src), k
