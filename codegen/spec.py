@@ -92,8 +92,22 @@ class UtilSpec(KernelSpec):
         return self.KERNELS
 
 
+class WgmmaTarget:
+    """An instance with a `wgmma` field: with it on, built for sm_90a (the warpgroup MMA is
+    an arch-specific feature) and for sm_90 only; without it, for any arch."""
+    wgmma: bool
+
+    def supports(self, arch: str) -> bool:
+        return not self.wgmma or arch == "sm_90"
+
+    def nvrtc_arch(self, arch: str) -> str:
+        if not self.supports(arch):
+            raise ValueError(f"{self.name}: wgmma runs on sm_90 only, not {arch}")
+        return "sm_90a" if self.wgmma else arch
+
+
 @dataclass(frozen=True)
-class ModelSpec(KernelSpec):
+class ModelSpec(WgmmaTarget, KernelSpec):
     """The small kernels of the model graph (runtime.backend_cuda): embedding rows, the
     norms and their fusions, RoPE, the KV store, attention, routing, SwiGLU, the expert sum.
     The limits size fixed arrays in the kernels; the backend refuses a model past them.
@@ -116,14 +130,6 @@ class ModelSpec(KernelSpec):
     def name(self) -> str:
         return (f"model-e{self.max_experts}h{self.max_head_dim}" + ("" if self.cache == "f32" else f"-c{self.cache}")
                 + ("-wg" if self.wgmma else ""))
-
-    def supports(self, arch: str) -> bool:
-        return not self.wgmma or arch == "sm_90"
-
-    def nvrtc_arch(self, arch: str) -> str:
-        if not self.supports(arch):
-            raise ValueError(f"{self.name}: wgmma runs on sm_90 only, not {arch}")
-        return "sm_90a" if self.wgmma else arch
 
     def check(self) -> None:
         if self.cache not in self.CACHE_TYPES:
@@ -420,7 +426,7 @@ class MmvqSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class MmfSpec(KernelSpec):
+class MmfSpec(WgmmaTarget, KernelSpec):
     """Quantized GEMM on f16 tensor cores (mma.sync m16n8k16, f32 accumulation), for
     prompt-sized batches. The weights are dequantized to f16 in registers, d * (q - 8)
     rounded once, and x is converted to f16 once by a launch before; the product then
@@ -463,14 +469,6 @@ class MmfSpec(KernelSpec):
         sk = f"-k{self.splits}" if self.splits > 1 else ""
         wg = "-wg" if self.wgmma else ""
         return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}{wn}k{self.kblocks}s{self.stages}{sk}{wg}"
-
-    def supports(self, arch: str) -> bool:
-        return not self.wgmma or arch == "sm_90"
-
-    def nvrtc_arch(self, arch: str) -> str:
-        if not self.supports(arch):
-            raise ValueError(f"{self.name}: wgmma runs on sm_90 only, not {arch}")
-        return "sm_90a" if self.wgmma else arch
 
     @property
     def threads(self) -> int:
