@@ -291,14 +291,15 @@ class _Weights:
 
     # Block-source files: what a layer writes into the residual stream (attention's output
     # projection, the FFN's down products) is weights of WRITE_GAIN / sqrt(k), the other
-    # matrices' 1 / sqrt(k), against a token embedding of unit scale. Random layers write a component every token shares (causal attention averages
-    # the prefix; an expert adds the same vector's worth to every token it takes); summed
-    # over the layers, wherever it outweighs the token's own embedding every router sends
-    # every token to the same experts, and the prompt's expert products become a few dense
-    # ones, which no trained model gives. At 0.1 a 512-token prompt's expert loads stay
-    # within ~2x of the mean through all 48 layers of Qwen3-30B-A3B's shape (0.25: 3.9x by
-    # layer 47; as random_blocks drew them, with its positive scales, every token took the
-    # same 8 experts from layer 0: DESIGN-NOTES "Synthetic models' routing").
+    # matrices' 1 / sqrt(k), against a token embedding of unit scale. Random layers write a
+    # component every token shares (causal attention averages the prefix; an expert adds the
+    # same vector's worth to every token it takes); summed over the layers, wherever it
+    # outweighs the token's own embedding every router sends every token to the same
+    # experts, and the prompt's expert products become a few dense ones, which no trained
+    # model gives. At 0.1 a 512-token prompt's expert loads stay within ~2x of the mean
+    # through all 48 layers of Qwen3-30B-A3B's shape (0.25: 3.9x by layer 47; before the
+    # eleventh session, with positive scales and no gain, every token took the same 8
+    # experts from layer 0: DESIGN-NOTES "Synthetic models' routing").
     WRITE_GAIN = 0.1
     WRITES = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
 
