@@ -101,9 +101,12 @@ def blocks_per_kv_head(hp, kernel: str) -> int:
 
 def threads(hp, kernel: str) -> int:
     """A block's threads: attn_prefill a warp per query head of the group; attn_prefill_fa a
-    warp per head and 16 tokens, up to 8; the other tensor-core kernels sixteen warps whatever
+    warp per head and 16 tokens, up to 8 (attn_prefill_wg128 always 8: where fa_heads does not
+    divide 8, as for groups of 5, the warps past its rows compute rows nobody writes); the other tensor-core kernels sixteen warps whatever
     the group (two per head of up to 8; those past the group only copy key tiles)."""
     g = hp.n_head // hp.n_head_kv
+    if kernel == WG_KERNEL:      # two whole warpgroups: a wgmma is issued by all four warps of one
+        return 32 * FA_WARPS
     if kernel.startswith(FA_BLOCKS):
         hb = fa_heads(hp)
         return 32 * hb * (FA_WARPS // hb)

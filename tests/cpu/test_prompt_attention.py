@@ -295,9 +295,10 @@ def test_wgmma_prompt_attention_takes_128_wide_f16_heads_on_sm_90():
     assert kernel_for(hp, "9.0", "tf32", smem_limit=227 * 1024, wgmma=True) == "attn_prefill_tc"
     assert kernel_for(_hp(64, 8, 64), "9.0", "f16", wgmma=True) == "attn_prefill_fa64"      # gpt-oss's 64 wide
     assert smem_bytes(hp, "attn_prefill_wg128") == 2 * 2 * 64 * 128 * 2 + 1024
-    for heads in ((32, 4, 128), (64, 4, 128), (8, 2, 128), (16, 16, 128)):
+    for heads in ((32, 4, 128), (64, 4, 128), (8, 2, 128), (16, 16, 128), (40, 8, 128), (24, 8, 128)):
         h = _hp(*heads)
-        assert (threads(h, "attn_prefill_wg128"), rows(h, "attn_prefill_wg128"),
-                blocks_per_kv_head(h, "attn_prefill_wg128")) == (threads(h, "attn_prefill_fa128"),
-                                                                 rows(h, "attn_prefill_fa128"),
-                                                                 blocks_per_kv_head(h, "attn_prefill_fa128"))
+        assert (rows(h, "attn_prefill_wg128"), blocks_per_kv_head(h, "attn_prefill_wg128")) == (
+            rows(h, "attn_prefill_fa128"), blocks_per_kv_head(h, "attn_prefill_fa128"))
+        # two whole warpgroups whatever the group (fa's block has 5 warps for groups of 5, 6 of 3)
+        assert threads(h, "attn_prefill_wg128") == 256
+    assert threads(_hp(40, 8, 128), "attn_prefill_fa128") == 160

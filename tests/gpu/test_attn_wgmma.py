@@ -39,9 +39,10 @@ def _poison(B, ctx, hp):
     ((32, 4, 128), 0, 77, 0, False),       # Qwen3-30B-A3B's heads from the start
     ((32, 4, 128), 301, 45, 0, False),     # a later ubatch, a partial last tile
     ((32, 4, 128), 1000, 64, 0, False),
-    ((32, 4, 128), 0, 1, 0, False),        # one token
+    ((32, 4, 128), 0, 2, 0, False),        # two tokens (one is the decode step's kernel)
     ((64, 4, 128), 33, 19, 0, False),      # groups of 16: two blocks a key head
-    ((40, 8, 128), 0, 200, 0, False),      # groups of 5: one token tile a block
+    ((40, 8, 128), 0, 200, 0, False),      # groups of 5: one token tile a block, 3 warps only fill MMAs
+    ((24, 8, 128), 5, 70, 0, False),       # groups of 3: two token tiles a block, 2 warps fill
     ((16, 16, 128), 200, 300, 0, False),   # no grouping: 128 tokens a block, a warpgroup 64 of them
     ((8, 2, 128), 70, 130, 0, False),      # groups of 4: a warpgroup's warps on two token tiles
     ((32, 4, 128), 0, 150, 128, True),     # sliding windows and sinks (gpt-oss's, at 128 wide)

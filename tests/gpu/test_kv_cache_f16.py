@@ -106,7 +106,8 @@ def test_f16_cache_prompt_attention_is_the_float32_cache_kernel(heads, pos0, n, 
 def test_an_f16_cache_takes_f16_attention():
     from moeforge.runtime.backend_cuda import CudaBackend
     hp = attn_hparams(32, 4, 128)
-    assert CudaBackend(hp, cache_type="f16").spec.name.endswith("-cf16")
+    B = CudaBackend(hp, cache_type="f16")
+    assert B.spec.cache == "f16" and "-cf16" in B.spec.name       # "-cf16-wg" on sm_90
     with pytest.raises(ValueError, match="attn_precision must be f16"):
         CudaBackend(hp, attn_precision="tf32", cache_type="f16")
     with pytest.raises(ValueError, match="cache_type must be one of"):
