@@ -44,7 +44,7 @@ class CompiledKernel:
     name: str
     arch: str
     cubin: Path
-    info: dict            # per C symbol: registers, spill bytes, stack, shared memory
+    info: dict            # per C symbol: registers, spill bytes, stack, shared memory (wgmma_serialized: C7520)
     cached: bool
 
 
@@ -55,13 +55,19 @@ class CompileError(RuntimeError):
 _PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)'")
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+# ptxas issues a kernel's wgmma one at a time where it cannot prove the accumulators safe
+# (C7520): still right, but the asynchronous pipeline the kernel was written for is gone
+_PTXAS_WGMMA_SERIAL = re.compile(r"wgmma\.mma_async instructions are serialized.*function '(\w+)'")
 
 
 def parse_ptxas(log: str) -> dict[str, dict]:
     info: dict[str, dict] = {}
     current = None
+    serialized = set()
     for line in log.splitlines():
-        if m := _PTXAS_FUNC.search(line):
+        if m := _PTXAS_WGMMA_SERIAL.search(line):
+            serialized.add(m.group(1))
+        elif m := _PTXAS_FUNC.search(line):
             current = info.setdefault(m.group(1), {"registers": 0, "spill_stores": 0,
                                                    "spill_loads": 0, "stack": 0, "smem": 0})
         elif current is not None and (m := _PTXAS_STACK.search(line)):
@@ -69,6 +75,8 @@ def parse_ptxas(log: str) -> dict[str, dict]:
         elif current is not None and (m := _PTXAS_REGS.search(line)):
             current["registers"] = int(m.group(1))
             current["smem"] = int(m.group(2) or 0)
+    for name in serialized:
+        info.setdefault(name, {})["wgmma_serialized"] = True
     return info
 
 

@@ -121,8 +121,8 @@ def smem_bytes(hp, kernel: str, bufs: int = 2, cache: str = "f32") -> int:
     before it runs, kv_rows_f16). (attn_prefill_fa's q lives in registers.)"""
     g, hd = hp.n_head // hp.n_head_kv, hp.head_dim
     tokens = ROWS.get(kernel, 0)
-    if kernel == WG_KERNEL:      # two tiles from a 1024-byte boundary (the swizzle's period)
-        return 2 * WG_TILE_BYTES + 1024
+    if kernel == WG_KERNEL:      # three tiles from a 1024-byte boundary (the swizzle's period)
+        return 3 * WG_TILE_BYTES + 1024
     if kernel.startswith("attn_prefill_fa"):
         return 2 * 2 * bufs * KEYS * (hd + 8)
     if kernel == "attn_prefill_tc":

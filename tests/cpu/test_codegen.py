@@ -62,6 +62,10 @@ def test_ptxas_log_parsing():
            "ptxas info    : Used 96 registers, used 1 barriers, 260 bytes smem\n")
     assert parse_ptxas(log) == {"k1": {"registers": 96, "spill_stores": 4, "spill_loads": 12,
                                        "stack": 8, "smem": 260}}
+    serial = ("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+              "due to program dependence on compiler-inserted WG.AR in divergent path in the function 'k1'\n")
+    assert parse_ptxas(serial + log)["k1"]["wgmma_serialized"] is True
+    assert "wgmma_serialized" not in parse_ptxas(log)["k1"]
 
 
 def test_compile_cache_is_keyed_by_source(tmp_path):
@@ -106,6 +110,10 @@ def test_generate_compiles_every_instance(generated):
         assert _named_specs() <= set(plan[arch]), arch
     for arch in ARCHS:
         assert len(list((build_dir / arch).glob("*.cubin"))) == len(set(plan[arch])), arch
+    # no instance lost its asynchronous wgmma to ptxas (it would still be right, only slow)
+    metas = [json.loads(p.read_text()) for p in (build_dir / "sm_90").glob("*.json")]
+    serialized = [(m["spec"], k) for m in metas for k, v in m["kernels"].items() if v.get("wgmma_serialized")]
+    assert serialized == [], serialized[:3]
     assert set(FULL_ARCHS) <= set(ARCHS) and "instances" in table and "sm_90" in table
 
 

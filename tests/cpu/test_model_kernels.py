@@ -14,7 +14,8 @@ from moeforge.codegen.spec import ModelSpec
 def test_model_kernels_compile(arch, wgmma, cache, generated):
     """Both modules (a float32 and an f16 KV cache) build, with prompt attention on wgmma
     too on sm_90 (sm_90a), and the decode attention kernels and the f16 prompt kernels do
-    not spill (the FMA prompt kernel spills 4 bytes on sm_80). The compile plan builds them
+    not spill (the FMA prompt kernel spills 4 bytes on sm_80), nor has ptxas issued
+    attn_prefill_wg128's MMAs one at a time (C7520). The compile plan builds them
     (~40 s each on 2 cores): found in its cache, read from it."""
     spec = ModelSpec(cache=cache, wgmma=wgmma)
     compiled = compile_spec(spec, arch, generated[0])
@@ -24,6 +25,7 @@ def test_model_kernels_compile(arch, wgmma, cache, generated):
     for k in spec.kernels:
         if k.startswith(("attn_decode", "attn_prefill_fa", "attn_prefill_wg")):
             assert compiled.info[k]["spill_stores"] == 0, (k, compiled.info[k])
+        assert not compiled.info[k].get("wgmma_serialized"), k     # its pipeline kept (ptxas C7520)
 
 
 def test_the_wgmma_module_is_its_own_sm_90a_instance():

@@ -285,7 +285,7 @@ def test_fragments_of_the_f16_kernel_give_q_k_and_p_v(hd, cache, rng):
 
 def test_wgmma_prompt_attention_takes_128_wide_f16_heads_on_sm_90():
     """attn_prefill_wg128 where the module has it (ModelSpec.wgmma), f16 precision, heads
-    128 wide, sm_90 and its shared memory (two 32 KB tiles and the 1 KB of alignment);
+    128 wide, sm_90 and its shared memory (three 32 KB tiles and the 1 KB of alignment);
     attn_prefill_fa's block layout; everything else as without it."""
     hp = _hp(32, 4, 128)
     assert kernel_for(hp, "9.0", "f16", smem_limit=227 * 1024, wgmma=True) == "attn_prefill_wg128"
@@ -294,7 +294,7 @@ def test_wgmma_prompt_attention_takes_128_wide_f16_heads_on_sm_90():
     assert kernel_for(hp, "8.0", "f16", smem_limit=163 * 1024, wgmma=True) == "attn_prefill_fa128"
     assert kernel_for(hp, "9.0", "tf32", smem_limit=227 * 1024, wgmma=True) == "attn_prefill_tc"
     assert kernel_for(_hp(64, 8, 64), "9.0", "f16", wgmma=True) == "attn_prefill_fa64"      # gpt-oss's 64 wide
-    assert smem_bytes(hp, "attn_prefill_wg128") == 2 * 2 * 64 * 128 * 2 + 1024
+    assert smem_bytes(hp, "attn_prefill_wg128") == 3 * 2 * 64 * 128 * 2 + 1024
     for heads in ((32, 4, 128), (64, 4, 128), (8, 2, 128), (16, 16, 128), (40, 8, 128), (24, 8, 128)):
         h = _hp(*heads)
         assert (rows(h, "attn_prefill_wg128"), blocks_per_kv_head(h, "attn_prefill_wg128")) == (

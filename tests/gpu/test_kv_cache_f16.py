@@ -36,6 +36,7 @@ def test_stores_round_to_nearest_even(heads, n, rng):
     q = rng.standard_normal((n, hp.q_dim)).astype(np.float32)
     k = rng.standard_normal((n, hp.kv_dim)).astype(np.float32)
     v = (rng.standard_normal((n, hp.kv_dim)) * rng.choice([1.0, 3e4], (n, hp.kv_dim))).astype(np.float32)
+    v.flat[rng.integers(v.size)] = rng.choice([-1.0, 1.0]) * rng.uniform(7e4, 1e5)   # one past 65504 at least
     norms = [rng.uniform(0.5, 1.5, hp.head_dim).astype(np.float32) for _ in range(2)]
     got = {}
     for cache_type in ("f32", "f16"):
