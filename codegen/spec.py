@@ -170,7 +170,7 @@ class ModelSpec(WgmmaTarget, KernelSpec):
     F32_CACHE_ONLY: ClassVar[tuple[str, ...]] = ("attn_prefill", "attn_prefill_tc", "kv_rows_f16")
 
     # prompt attention on wgmma (spec.wgmma) and the V^T rows it reads
-    WGMMA_KERNELS: ClassVar[tuple[str, ...]] = ("attn_prefill_wg128", "kv_rows_f16t")
+    WGMMA_KERNELS: ClassVar[tuple[str, ...]] = ("attn_prefill_wg128", "kv_tiles_f16")
 
     @property
     def kernels(self) -> tuple[str, ...]:

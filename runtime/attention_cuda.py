@@ -343,19 +343,17 @@ class CudaAttentionOps:
         return out
 
     def _attn_prefill_wg(self, kc, vc, q, pos, n, scale, out, extra):
-        """attn_prefill_wg128: kv_rows_f16t writes V^T (and a float32 cache's K as f16 rows)
-        for the pass's positions, rows of the cache's length rounded up to whole 64-key
-        tiles; then attn_prefill_fa's grid and block."""
+        """attn_prefill_wg128: kv_tiles_f16 lays out the pass's keys and values as the
+        kernel's 64-key tiles (K and V^T, f16, as its shared memory holds them), for the
+        cache's length rounded up to whole tiles; then attn_prefill_fa's grid and block."""
         hp = self.hp
         kernel = prompt_attention.WG_KERNEL
-        ctx = kc.shape[0]
-        stride = -(-ctx // prompt_attention.KEYS) * prompt_attention.KEYS
-        vt = self.ws("attn_vt_f16", (hp.n_head_kv, hp.head_dim, stride), np.float16)
-        kh = self.ws("attn_k_f16", kc.shape, np.float16) if self.cache_type == "f32" else None
-        self.kernel("kv_rows_f16t")((2 * self._device()["sm_count"],), (256,), (
-            kc, vc, pos, _i32(n), _i32(hp.n_head_kv), extra[1], _i32(stride), _NULL if kh is None else kh, vt))
+        n_tiles = -(-kc.shape[0] // prompt_attention.KEYS)
+        tiles = self.ws("attn_tiles_f16", (hp.n_head_kv, n_tiles, prompt_attention.WG_TILE_BYTES // 2), np.float16)
+        self.kernel("kv_tiles_f16")((2 * self._device()["sm_count"],), (256,), (
+            kc, vc, pos, _i32(n), _i32(hp.n_head_kv), extra[1], _i32(n_tiles), tiles))
         self.kernel(kernel)((hp.n_head_kv * prompt_attention.blocks_per_kv_head(hp, kernel),
                              -(-n // prompt_attention.rows(hp, kernel))), (prompt_attention.threads(hp, kernel),), (
-            q, kc if kh is None else kh, vt, _i32(stride), pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv),
+            q, tiles, _i32(n_tiles), pos, out, _i32(n), _i32(hp.n_head), _i32(hp.n_head_kv),
             _f32(scale * math.log2(math.e)), *extra), smem=prompt_attention.smem_bytes(hp, kernel))
         return out

@@ -33,7 +33,7 @@ def test_the_wgmma_module_is_its_own_sm_90a_instance():
     module's source is what it was, so the default path's binary does not change."""
     plain, wg = ModelSpec(), ModelSpec(wgmma=True)
     assert wg.name == "model-e512h256-wg" and ModelSpec(cache="f16", wgmma=True).name == "model-e512h256-cf16-wg"
-    assert set(wg.kernels) - set(plain.kernels) == {"attn_prefill_wg128", "kv_rows_f16t"}
+    assert set(wg.kernels) - set(plain.kernels) == {"attn_prefill_wg128", "kv_tiles_f16"}
     assert wg.nvrtc_arch("sm_90") == "sm_90a" and plain.nvrtc_arch("sm_90") == "sm_90"
     assert not wg.supports("sm_80") and plain.supports("sm_80")
     with pytest.raises(ValueError, match="sm_90 only"):

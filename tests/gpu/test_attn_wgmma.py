@@ -2,7 +2,7 @@
 ModelSpec.wgmma for sm_90a) against attn_prefill_fa128, which it replaces where it is on:
 the same bits (on an H200 the two gave the same bits on every case tried), and both
 references' bars (runtime.prompt_attention.attention_tc's emulation, float64), outputs and
-the f16 rows it reads poisoned before the launch; a model's logits the same with and
+the tile images it reads poisoned before the launch; a model's logits the same with and
 without it. Needs an sm_90 card (H100, H200); skips elsewhere."""
 import numpy as np
 import pytest
@@ -29,9 +29,7 @@ def _backend(hp, cache_type, wgmma):
 
 def _poison(B, ctx, hp):
     import cupy as cp
-    stride = -(-ctx // 64) * 64
-    B.ws("attn_vt_f16", (hp.n_head_kv, hp.head_dim, stride), np.float16).fill(cp.nan)
-    B.ws("attn_k_f16", (ctx, hp.kv_dim), np.float16).fill(cp.nan)
+    B.ws("attn_tiles_f16", (hp.n_head_kv, -(-ctx // 64), 2 * 64 * hp.head_dim), np.float16).fill(cp.nan)
 
 
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
