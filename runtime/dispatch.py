@@ -347,10 +347,11 @@ def wgmma_available() -> bool:
 
 # Prompt attention on wgmma (attn_prefill_wg128 in the model module built with
 # ModelSpec.wgmma, sm_90a): attention alone on an H200, Qwen3's heads from an empty context,
-# 4096 tokens 711 -> 583 us a layer, 2048 208 -> 181 (kv_rows_f16 + attn_prefill_fa128
-# against kv_rows_f16t + it), the same bits as attn_prefill_fa on every case tried; the
-# whole synthetic Qwen3-30B-A3B q4_0 pp2048 +1.8%, pp4096 +4.5% (BENCHMARKS.md, twelfth and
-# thirteenth sessions). MOEFORGE_ATTN_WGMMA=0 turns it off (the A/B switch), =1 on.
+# 4096 tokens 672 -> 401 us a layer, 2048 189 -> 125, 512 28.7 -> 23.8 (kv_rows_f16 +
+# attn_prefill_fa128 against kv_tiles_f16 + it), the same bits as attn_prefill_fa on every
+# case tried; the whole synthetic Qwen3-30B-A3B q4_0 pp2048 +1.8%, pp4096 +4.5% with its
+# first form (thirteenth session), +2.9% and +5.8% more since (BENCHMARKS.md, fourteenth).
+# MOEFORGE_ATTN_WGMMA=0 turns it off (the A/B switch), =1 on.
 ATTN_WGMMA = True
 
 
