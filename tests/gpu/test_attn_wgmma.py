@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import attention64, attn_hparams
 
+from moeforge.runtime import prompt_attention
 from moeforge.runtime.prompt_attention import attention_tc, kernel_for
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +30,8 @@ def _backend(hp, cache_type, wgmma):
 
 def _poison(B, ctx, hp):
     import cupy as cp
-    B.ws("attn_tiles_f16", (hp.n_head_kv, -(-ctx // 64), 2 * 64 * hp.head_dim), np.float16).fill(cp.nan)
+    tile = prompt_attention.WG_TILE_BYTES // 2
+    B.ws("attn_tiles_f16", (hp.n_head_kv, -(-ctx // prompt_attention.KEYS), tile), np.float16).fill(cp.nan)
 
 
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
