@@ -162,7 +162,7 @@ class ModelSpec(WgmmaTarget, KernelSpec):
         "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "softmax_causal", "router_route", "router_route_cluster",
         "route_topk", "router_route_keyed", "router_route_cluster_keyed", "route_topk_keyed", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
         "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa", "kv_rows_f16",
-        "rope_yarn_store", "add_bias", "glu_oai_id", "mla_rope_store", "attn_decode_mla", "attn_decode_mla_merge", "attn_prefill_mla",
+        "rope_yarn_store", "add_bias", "glu_oai_id", "glu_oai_id_f16", "mla_rope_store", "attn_decode_mla", "attn_decode_mla_merge", "attn_prefill_mla",
     )
     # prompt attention kernels that read a float32 cache as it is (tf32 and FMA), and the
     # rounding of its rows to f16 for attn_prefill_fa: an f16 cache's module has only

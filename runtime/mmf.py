@@ -11,14 +11,21 @@ from .ops import _NULL, WORKSPACE, _act_width, _aligned, _i32, _prepare, _round_
 from .tensor import QuantTensor
 
 
+def x_f16_buffer(spec: MmfSpec, rows: int, k: int):
+    """The f16 activations' buffer, (rows, kp): k padded to whole groups of X_PAD_BLOCKS
+    blocks, in the kernel's k order (mmf_x_to_f16 fills it, or a model kernel that writes
+    that order itself: glu_oai_id_f16)."""
+    kp = _round_up(k // 32, MmfSpec.X_PAD_BLOCKS) * 32
+    if spec.wgmma and rows * kp * 2 >= 1 << 32:
+        raise ValueError(f"{spec.name}: {rows} x {kp} f16 activations pass 4 GiB; its row offsets are 32-bit")
+    return WORKSPACE.get("x_f16", rows * kp * 2, np.uint16).reshape(rows, kp), kp
+
+
 def x_to_f16(spec: MmfSpec, x2d, glu: bool = False):
     """float32 (rows, k) -> f16 (rows, kp) in the kernel's k order, zero past k. glu: x2d
     holds (rows, 2k) gate|up products and what is converted is silu(gate) * up."""
     rows, k = x2d.shape[0], _act_width(x2d, glu)
-    kp = _round_up(k // 32, MmfSpec.X_PAD_BLOCKS) * 32
-    if spec.wgmma and rows * kp * 2 >= 1 << 32:
-        raise ValueError(f"{spec.name}: {rows} x {kp} f16 activations pass 4 GiB; its row offsets are 32-bit")
-    xh = WORKSPACE.get("x_f16", rows * kp * 2, np.uint16).reshape(rows, kp)
+    xh, kp = x_f16_buffer(spec, rows, k)
     load(spec, "mmf_x_to_f16")(grid_1d(rows * kp // 4), (_aligned(x2d), xh, _i32(rows), _i32(k), _i32(kp),
                                                       _i32(int(glu))), block=256, smem=0)
     return xh, kp
@@ -27,20 +34,30 @@ def x_to_f16(spec: MmfSpec, x2d, glu: bool = False):
 def run_mmf(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, out, glu: bool = False) -> None:
     """out[entry] = W[expert] @ x[entry / x_div] for every (token, slot) entry of ids, or
     with ids None the dense out = x @ W^T (w 2-D). Validated operands only."""
+    _check_f16(spec, w, ids)
+    xh, kp = x_to_f16(spec, x2d, glu)
+    run_mmf_f16(spec, w, xh, kp, ids, x_div, out)
+
+
+def _check_f16(spec: MmfSpec, w: QuantTensor, ids) -> None:
     if spec.ids != (ids is not None):
         raise ValueError(f"{spec.name}: {'needs' if spec.ids else 'takes no'} expert ids")
     if not w.f16_fits:
         lo, hi = w.quant.f16_scale_bytes
         raise ValueError(f"{spec.name}: the {w.qtype} weights' largest scale byte lies outside [{lo}, {hi}], "
                          f"past what f16 holds: run them on the int8 tiles (dispatch does, given f16_fits)")
+
+
+def run_mmf_f16(spec: MmfSpec, w: QuantTensor, xh, kp: int, ids, x_div: int, out) -> None:
+    """run_mmf on activations already in x_f16_buffer's form."""
+    _check_f16(spec, w, ids)
     m = w.shape[-2]
-    xh, kp = x_to_f16(spec, x2d, glu)
     if ids is not None:
         (rows, tiles, ntt, _, max_tiles), _ = _prepare(ids, w.n_experts, spec.x, None)
         n_dense = 0
     else:
         rows = tiles = ntt = None
-        n_dense = x2d.shape[0]
+        n_dense = xh.shape[0]
         max_tiles = -(-n_dense // spec.x)
     ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
     grid = max_tiles * -(-m // spec.y) * spec.splits

@@ -43,14 +43,22 @@ def _keyed(gating, sel_bias) -> str:
 
 
 class GluProducts:
-    """The expert gate|up products (n, top_k, 2 n_ff) standing for SiLU(gate) * up, which
-    only the down product reads: its quantizer computes the activation as it quantizes
-    (ops.run_mul_mat_id, glu), so no launch and no buffer hold it. Same bits as the swiglu
-    kernel. `choice` is the down product's path, one that quantizes x in its own launch."""
+    """The expert gate|up products (n, top_k, 2 n_ff) standing for act(gate) * up, which
+    only the down product reads. SiLU: its quantizer computes the activation as it
+    quantizes (ops.run_mul_mat_id, glu), the same bits as the swiglu kernel. SwiGLU-OAI
+    (gpt-oss, with each expert's gate and up biases): on the f16 tiles, glu_oai_id_f16
+    writes the down product's f16 activations, the same bits as glu_oai_id and the
+    conversion after it. Either way no launch and no float32 buffer of its own. `choice` is
+    the down product's path, one that prepares x in a launch of its own."""
 
-    def __init__(self, gu, choice: dispatch.Choice):
-        self.gu, self.choice = gu, choice
+    def __init__(self, gu, choice: dispatch.Choice, act: str = "silu", gate_b=None, up_b=None, ids=None):
+        self.gu, self.choice, self.act = gu, choice, act
+        self.gate_b, self.up_b, self.ids = gate_b, up_b, ids
         self.shape = (*gu.shape[:-1], gu.shape[-1] // 2)
+
+
+def _aligned16(*arrays) -> bool:
+    return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
 
 
 class CudaMoeOps:
@@ -93,7 +101,13 @@ class CudaMoeOps:
         if isinstance(x, GluProducts):
             if w.q is None or x.shape != (n, top_k, k):
                 raise ValueError(f"{name}: gate|up products of shape {x.gu.shape} cannot feed {w.qtype} {w.shape}")
-            ops.run_mul_mat_id(w.q, x.gu, ids, out, x.choice, glu=True)
+            if x.act == "silu":
+                ops.run_mul_mat_id(w.q, x.gu, ids, out, x.choice, glu=True)
+            else:
+                from .mmf import run_mmf_f16
+                if x.choice.path != "mmf_id":
+                    raise ValueError(f"{name}: {x.act} products feed the f16 tiles only, not {x.choice.path}")
+                run_mmf_f16(x.choice.spec, w.q, *self._glu_oai_f16(x, x.choice.spec), ids, 1, out)
             return out
         if w.q is not None:
             # the down product right after the expert gate/up, whose launch waited for the
@@ -118,12 +132,9 @@ class CudaMoeOps:
         w = L.gate_up if L.gate_up is not None else L.gate
         act = self.hp.expert_act
         if w.q is None or n > dispatch.MMVQ_MAX_TOKENS:
-            if (self.fuse_glu_quant and L.gate_up is not None and w.q is not None and L.down.q is not None
-                    and act == "silu" and L.gate_b is None):
-                E, m, k = L.down.shape
-                choice = dispatch.choose_mul_mat_id(L.down.qtype, E, top_k, m, k, n, L.down.q.f16_fits)
-                if choice.path in ops.GLU_PATHS:
-                    return GluProducts(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), choice)
+            glu = self._glu_form(L, n, top_k) if L.gate_up is not None and w.q is not None else None
+            if glu is not None:
+                return GluProducts(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), glu, act, L.gate_b, L.up_b, ids)
             return super().expert_gate_up(L, x, ids, name)
         from .fused import Operands, run_moe_gate_up
         o = Operands(x, w.q if L.gate_up is not None else None, L.gate.q if L.gate is not None else None,
@@ -135,6 +146,33 @@ class CudaMoeOps:
         # it passed its wait for the router before any kernel after it could launch
         self._waited_ids = (ids.data.ptr, out.data.ptr) if q8 is not None else None
         return out
+
+    def _glu_form(self, L, n: int, top_k: int):
+        """The down product's choice where it takes the gate|up products and applies the
+        activation itself (GluProducts), else None: SiLU on every path that prepares x in a
+        launch of its own; SwiGLU-OAI on the f16 tiles (its biases read as float4)."""
+        act = self.hp.expert_act
+        if not self.fuse_glu_quant or L.down.q is None or act not in ("silu", "swiglu_oai"):
+            return None
+        if act == "silu" and L.gate_b is not None:
+            return None
+        E, m, k = L.down.shape
+        choice = dispatch.choose_mul_mat_id(L.down.qtype, E, top_k, m, k, n, L.down.q.f16_fits)
+        if act == "silu":
+            return choice if choice.path in ops.GLU_PATHS else None
+        fits = k % 4 == 0 and (L.gate_b is None) == (L.up_b is None) and _aligned16(L.gate_b, L.up_b)
+        return choice if choice.path == "mmf_id" and fits else None
+
+    def _glu_oai_f16(self, g: GluProducts, spec):
+        """SwiGLU-OAI of the gate|up products with their experts' biases, as the f16
+        activations of the down product's tiles (spec: its MmfSpec)."""
+        from .mmf import x_f16_buffer
+        rows, ff = g.gu.size // g.gu.shape[-1], g.shape[-1]
+        xh, kp = x_f16_buffer(spec, rows, ff)
+        self.kernel("glu_oai_id_f16")(grid_1d(rows * kp // 4), (256,), (
+            g.gu, _NULL if g.gate_b is None else g.gate_b, _NULL if g.up_b is None else g.up_b, g.ids, xh,
+            np.int64(rows), _i32(ff), _i32(kp), _i32(int(spec.wgmma))))
+        return xh, kp
 
     def route_tokens(self, router, x, gating, bias=None, sel_bias=None):
         n, k = x.shape

@@ -46,3 +46,59 @@ def test_glu_products_stand_for_the_activation_shape():
     from moeforge.runtime.moe_cuda import GluProducts
     gu = np.zeros((5, 8, 2 * 96), np.float32)
     assert GluProducts(gu, choice=None).shape == (5, 8, 96)
+
+
+def test_swiglu_oai_is_one_definition_and_the_f16_form_stores_as_the_converter():
+    """glu_oai_id and glu_oai_id_f16 compute SwiGLU-OAI with one device function (what makes
+    the fused form bit-identical, which the GPU tests check), and glu_oai_id_f16 stores its
+    four values in the places mmf_x_to_f16 stores them, for both tile forms."""
+    from moeforge.codegen.spec import MmfSpec
+    model = render(ModelSpec())
+    assert model.count("expf(-1.702f * g)") == 1
+    for kernel in ("void glu_oai_id(", "void glu_oai_id_f16("):
+        body = model.split(kernel)[1].split("\n}")[0]
+        assert "swiglu_oai(" in body and "1.702" not in body, kernel
+    fused = model.split("void glu_oai_id_f16(")[1].split("\n}")[0]
+    for wgmma in (True, False):
+        conv = render(MmfSpec("q8_0", x=128, y=128, warps=8, kblocks=4, stages=4, wgmma=wgmma) if wgmma
+                      else MmfSpec("q8_0", x=64, y=128, warps=8))
+        body = conv.split("void __launch_bounds__(256) mmf_x_to_f16(")[1].split("\n}")[0]
+        stores = [ln.strip().replace("pack_h2", "f16x2_of").replace("u32*", "unsigned*")
+                  for ln in body.splitlines() if ln.strip().startswith(("xw", "xh[", "u32* xw"))]
+        assert stores and all(s in fused for s in stores), stores
+
+
+class _Dev:
+    def __init__(self, addr):
+        self.data = type("P", (), {"ptr": addr})()
+
+
+def _glu_form(act, *, gate_b=None, up_b=None, k=64, path="mmf_id", fuse=True, monkeypatch):
+    from types import SimpleNamespace
+
+    from moeforge.runtime import dispatch
+    from moeforge.runtime.moe_cuda import CudaMoeOps
+    choice = dispatch.Choice(path, None)
+    monkeypatch.setattr(dispatch, "choose_mul_mat_id", lambda *a, **kw: choice)
+    down = SimpleNamespace(q=SimpleNamespace(f16_fits=True), shape=(8, 128, k), qtype="q8_0")
+    L = SimpleNamespace(down=down, gate_b=gate_b, up_b=up_b)
+    me = SimpleNamespace(hp=SimpleNamespace(expert_act=act), fuse_glu_quant=fuse)
+    return CudaMoeOps._glu_form(me, L, 512, 4)
+
+
+def test_which_down_products_take_the_gate_up_products(monkeypatch):
+    """SiLU (no biases) on every path that prepares x in its own launch; SwiGLU-OAI only on
+    the f16 tiles, with both biases or neither, 16-byte aligned, k a multiple of 4."""
+    form = lambda act, **kw: _glu_form(act, monkeypatch=monkeypatch, **kw)   # noqa: E731
+    for path in ops.GLU_PATHS:
+        assert form("silu", path=path) is not None
+    assert form("silu", path="mmvq") is None
+    assert form("silu", gate_b=_Dev(256), up_b=_Dev(512)) is None
+    assert form("silu", fuse=False) is None
+    assert form("swiglu_oai") is not None
+    assert form("swiglu_oai", gate_b=_Dev(256), up_b=_Dev(4096)) is not None
+    assert form("swiglu_oai", path="mmq_id") is None
+    assert form("swiglu_oai", gate_b=_Dev(256), up_b=_Dev(4100)) is None    # not 16-byte aligned
+    assert form("swiglu_oai", gate_b=_Dev(256)) is None                    # one bias without the other
+    assert form("swiglu_oai", k=66) is None
+    assert form("gelu") is None

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_matches_emulation, decode_on_cuda_and_emulation, assert_matches_llama_cpp, first_near_tie, record_router_gaps, run_seed
+from moeforge.codegen.quant import quant_type
 from moeforge.runtime.model import load_model
 from moeforge.synth import preset, write_model
 
@@ -122,3 +123,51 @@ def test_generate_matches_numpy(oss_models):
     a = load_model(paths["f32"], backend="cuda").generate(prompt, 16)
     b = load_model(paths["f32"], backend="numpy", numerics="kernel").generate(prompt, 16)
     assert a == b, f"seed {seed}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
+@pytest.mark.parametrize("name", ["q8_0", "mxfp4_moe"])
+def test_swiglu_oai_into_the_f16_tiles_changes_no_bit(oss_models, monkeypatch, name, wgmma):
+    """Past decode sizes, with the down product on the f16 tiles, glu_oai_id_f16 writes its
+    f16 activations from the gate|up products and the biases (no glu_oai_id launch, no
+    float32 buffer between): a prompt's logits must be those of glu_oai_id and the
+    conversion after it, bit for bit, in both tile forms' k orders, and the fused kernel must
+    really have run. Every expert product is held on one f16 tile form here."""
+    from dataclasses import replace
+
+    from moeforge.codegen.enumerate import mmf_wgmma_specs
+    from moeforge.codegen.spec import MmfSpec
+    from moeforge.runtime import dispatch
+    if wgmma and not dispatch.wgmma_available():
+        pytest.skip("the wgmma tiles need an sm_90 device (H100, H200)")
+    qtype = {"q8_0": "q8_0", "mxfp4_moe": "mxfp4"}[name]
+    spec = ([s for s in mmf_wgmma_specs(quant_type(qtype)) if s.ids][0] if wgmma
+            else MmfSpec(qtype, x=64, y=128, warps=8))
+    real = dispatch.choose_mul_mat_id
+
+    def held(q, E, top_k, m, k, n, f16=True):
+        if n <= dispatch.MMVQ_MAX_TOKENS or q != qtype:
+            return real(q, E, top_k, m, k, n, f16)
+        return dispatch.Choice("mmf_id", replace(spec, qtype=q))
+    monkeypatch.setattr(dispatch, "choose_mul_mat_id", held)
+    paths, toks, seed = oss_models
+    outs = []
+    for fused in (True, False):
+        m = load_model(paths[name], backend="cuda", n_ubatch=64)
+        m.backend.fuse_glu_quant = fused
+        calls = {"glu_id": 0, "f16": 0}
+        glu_id, glu_f16 = m.backend.glu_id, m.backend._glu_oai_f16
+
+        def count(key, fn):
+            def counted(*a):
+                calls[key] += 1
+                return fn(*a)
+            return counted
+        m.backend.glu_id, m.backend._glu_oai_f16 = count("glu_id", glu_id), count("f16", glu_f16)
+        outs.append(m.logits(toks[:140]))
+        assert np.isfinite(outs[-1]).all()
+        if fused:
+            assert calls["glu_id"] == 0 and calls["f16"] > 0, calls
+        else:
+            assert calls["glu_id"] > 0 and calls["f16"] == 0, calls
+    np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"seed {seed}")
