@@ -17,6 +17,7 @@ from .kernels import grid_1d
 _i32, _f32 = np.int32, np.float32
 _NULL = np.uint64(0)
 QK_HEAD_DIM_MAX = 512   # qk_norm_rope_store: 8 rotation pairs a lane (QK_PAIRS in model_tokens.cuh.j2)
+QK_ITEMS_H128 = 2       # qk_norm_rope_store_h128: (head, token) items a warp (its ITEMS)
 # attn_decode_mla (templates/mla.cuh.j2): query heads a block, the latent and row widths it
 # holds, the splits its merge weighs at most; the fewest rows a split takes (a short
 # context's rows two a warp, all in flight at once)
@@ -174,8 +175,10 @@ class CudaAttentionOps:
         self._pending_qk = None
         if hp.head_dim > QK_HEAD_DIM_MAX:
             raise ValueError(f"head_dim {hp.head_dim}: qk_norm_rope_store takes at most {QK_HEAD_DIM_MAX}")
-        # a warp per (head, token), 8 a block
-        self.kernel("qk_norm_rope_store")((-(-(hp.n_head + hp.n_head_kv) * n // 8),), (256,), (
+        # a warp per (head, token) item, 8 warps a block; heads of up to 128: two items a warp
+        per_warp = QK_ITEMS_H128 if hp.head_dim <= 128 else 1
+        self.kernel("qk_norm_rope_store_h128" if per_warp > 1 else "qk_norm_rope_store")(
+            (-(-(hp.n_head + hp.n_head_kv) * n // (8 * per_warp)),), (256,), (
             q, k, v, L.q_norm, L.k_norm, cache.k[il], cache.v[il], pos, _i32(hp.n_head), _i32(hp.n_head_kv),
             _i32(hp.head_dim), _f32(hp.rms_eps), _f32(math.log2(hp.rope_base)), _i32(n)))
 
