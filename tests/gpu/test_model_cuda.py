@@ -293,6 +293,41 @@ def test_fused_model_kernels_match_their_compositions(parity_models):
         np.testing.assert_allclose(ha.get(), hb.get(), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("hd", [32, 80, 128])
+def test_qk_store_two_items_a_warp_is_the_one_item_kernel(parity_models, hd):
+    """qk_norm_rope_store_h128 (two (head, token) items a warp, PAIRS sized to heads of up
+    to 128) against qk_norm_rope_store (one item, eight pair slots), launched directly: q, k
+    and the cache rows bit for bit, on an odd count of items (the last warp has one live item)
+    and a poisoned cache."""
+    import cupy as cp
+    m = load_model(parity_models["q4_0"]["path"], backend="cuda", n_ctx=64)
+    B = m.backend
+    rng = np.random.default_rng()
+    n, nh, nkv = 7, 5, 2                  # 49 items
+    pos = cp.asarray(rng.permutation(64)[:n].astype(np.int32))
+
+    def rnd(*shape):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32))
+    q, k, v, qn, kn = rnd(n, nh * hd), rnd(n, nkv * hd), rnd(n, nkv * hd), rnd(hd), rnd(hd)
+    outs = []
+    for name, per_warp in (("qk_norm_rope_store", 1), ("qk_norm_rope_store_h128", 2)):
+        qa, ka = q.copy(), k.copy()
+        kc, vc = cp.full((64, nkv * hd), np.nan, np.float32), cp.full((64, nkv * hd), np.nan, np.float32)
+        cp.cuda.Stream.null.synchronize()
+        with B.context():
+            B.kernel(name)((-(-(nh + nkv) * n // (8 * per_warp)),), (256,), (
+                qa, ka, v, qn, kn, kc, vc, pos, np.int32(nh), np.int32(nkv), np.int32(hd), np.float32(1e-6),
+                np.float32(np.log2(1e4)), np.int32(n)))
+            B.synchronize()
+        outs.append([a.get() for a in (qa, ka, kc, vc)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    written = np.zeros(64, bool)
+    written[pos.get()] = True
+    assert np.isfinite(outs[1][2][written]).all() and np.isnan(outs[1][2][~written]).all()
+    assert not np.array_equal(outs[1][0], q.get())      # q was normed and rotated in place
+
+
 def test_stacked_qkv_equals_three_products(parity_models, monkeypatch):
     """q, k, v as one stacked product (decode: one launch) against three separate ones,
     in a prompt (slices copied out) and in decode steps (slices used in place)."""
