@@ -159,7 +159,7 @@ class ModelSpec(WgmmaTarget, KernelSpec):
         "get_rows_q4_0", "get_rows_q8_0", "get_rows_q2_K", "get_rows_q3_K", "get_rows_q4_K", "get_rows_q5_K", "get_rows_q6_K", "get_rows_iq4_xs", "rms_norm",
         "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128", "attn_decode_h256", *(f"attn_decode_gqa_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         *(f"attn_decode_gqa_tc_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
-        "add_rms_norm", "moe_combine_rms_norm", "qk_norm_rope_store", "qk_norm_rope_store_h128", "softmax_causal", "router_route", "router_route_cluster",
+        "add_rms_norm", "moe_combine_rms_norm", "moe_combine_rms_norm_rows", "qk_norm_rope_store", "qk_norm_rope_store_h128", "softmax_causal", "router_route", "router_route_cluster",
         "route_topk", "router_route_keyed", "router_route_cluster_keyed", "route_topk_keyed", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
         "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa", "kv_rows_f16",
         "rope_yarn_store", "add_bias", "glu_oai_id", "glu_oai_id_f16", "mla_rope_store", "attn_decode_mla", "attn_decode_mla_merge", "attn_prefill_mla",

@@ -16,6 +16,8 @@ _NULL = np.uint64(0)
 ROUTER_CLUSTER_BLOCKS = 8    # routing.cuh.j2: RC_BLOCKS (the cluster's size, fixed in the kernel)
 ROUTER_CLUSTER_WARPS = 16    # routing.cuh.j2: RC_WARPS
 ROUTER_HELD_FLOATS = 2048    # routing.cuh.j2: 4 * 32 * ROUTER_HELD, a row's part held in registers
+COMBINE_ROWS_SLOTS = 8       # model_tokens.cuh.j2: COMBINE_SLOTS (moe_combine_rms_norm_rows)
+COMBINE_ROWS_GROUPS = 4      # model_tokens.cuh.j2: COMBINE_GROUPS
 ROUTER_STAGE_BYTES = 200 * 1024   # the most shared memory a router block stages rows in (sm_90: 227 KiB)
 
 
@@ -72,11 +74,24 @@ class CudaMoeOps:
         n, d = x.shape
         top_k = 0 if y is None else y.shape[1]
         out = self.ws(name, x.shape)
+        if n > dispatch.MMVQ_MAX_TOKENS and self._combine_rows_fit(x, y, w, out, bias, d, top_k):
+            self.kernel("moe_combine_rms_norm_rows")((n,), (dispatch.COMBINE_PROMPT_THREADS,), (
+                x, y, wts, w, out, _i32(top_k), _i32(d), _f32(eps), _NULL if bias is None else bias,
+                _NULL if ids is None else ids, _i32(wts.shape[1])))
+            return out
         threads = 1024 if n <= dispatch.MMVQ_MAX_TOKENS else dispatch.COMBINE_PROMPT_THREADS
         self.kernel("moe_combine_rms_norm")((n,), (threads,), (
             x, x if y is None else y, wts, w, out, _i32(top_k), _i32(d), _f32(eps), *self._norm_q8(out),
             _NULL if bias is None else bias, _NULL if ids is None else ids, _i32(wts.shape[1])))
         return out
+
+    @staticmethod
+    def _combine_rows_fit(x, y, w, out, bias, d: int, top_k: int) -> bool:
+        """moe_combine_rms_norm_rows takes the slots' rows: 1..COMBINE_SLOTS of them, float4
+        columns (d % 4, every row 16-byte aligned), up to COMBINE_GROUPS float4 a thread."""
+        return (y is not None and 1 <= top_k <= COMBINE_ROWS_SLOTS and d % 4 == 0
+                and d <= 4 * COMBINE_ROWS_GROUPS * dispatch.COMBINE_PROMPT_THREADS
+                and all(a is None or a.data.ptr % 16 == 0 for a in (x, y, w, out, bias)))
 
     def moe_down_combine_rms_norm_(self, L, x, act, ids, wts, w, eps, name):
         n, top_k = ids.shape

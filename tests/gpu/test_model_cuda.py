@@ -328,6 +328,50 @@ def test_qk_store_two_items_a_warp_is_the_one_item_kernel(parity_models, hd):
     assert not np.array_equal(outs[1][0], q.get())      # q was normed and rotated in place
 
 
+@pytest.mark.parametrize("d,top_k,biased", [(2048, 8, False), (2880, 4, True), (4096, 2, False), (100, 1, True),
+                                             (2052, 8, True)])
+def test_prompt_combine_in_float4_rows_is_the_one_column_kernel(parity_models, d, top_k, biased):
+    """moe_combine_rms_norm_rows (float4 columns, the next group's loads before this one's
+    sum) against moe_combine_rms_norm launched as a prompt launches it: the residual x bit for
+    bit (each output's slot sum in the same order), the normed rows within the last bit of
+    the scale (its sum of squares runs over other columns a thread); out poisoned first.
+    The experts' biases (gpt-oss) read through the ids."""
+    import cupy as cp
+    from moeforge.runtime import dispatch
+    m = load_model(parity_models["q4_0"]["path"], backend="cuda", n_ctx=64)
+    B = m.backend
+    rng = np.random.default_rng()
+    n, E = 37, 16
+
+    def rnd(*shape):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32))
+    x, y, w = rnd(n, d), rnd(n, top_k, d), rnd(d)
+    wts = rnd(n, top_k)
+    ids = cp.asarray(rng.integers(0, E, (n, top_k)).astype(np.int32))
+    bias = rnd(E, d) if biased else None
+    results = []
+    for name in ("moe_combine_rms_norm", "moe_combine_rms_norm_rows"):
+        xa, out = x.copy(), cp.full((n, d), np.nan, np.float32)
+        b = np.uint64(0) if bias is None else bias
+        args = (xa, y, wts, w, out, np.int32(top_k), np.int32(d), np.float32(1e-5))
+        if name == "moe_combine_rms_norm":
+            args += (np.uint64(0), np.uint64(0), np.int32(0))
+        args += (b, ids, np.int32(top_k))
+        cp.cuda.Stream.null.synchronize()
+        with B.context():
+            B.kernel(name)((n,), (dispatch.COMBINE_PROMPT_THREADS,), args)
+            B.synchronize()
+        results.append((xa.get(), out.get()))
+    (x0, o0), (x1, o1) = results
+    np.testing.assert_array_equal(x1, x0)
+    assert np.isfinite(o1).all()
+    np.testing.assert_allclose(o1, o0, rtol=2e-6, atol=1e-6)
+    want = x.get().astype(np.float64) + np.einsum("nj,njd->nd", wts.get().astype(np.float64),
+                                                  y.get().astype(np.float64)
+                                                  + (bias.get()[ids.get()] if biased else 0.0))
+    np.testing.assert_allclose(x1, want, rtol=1e-4, atol=1e-4)
+
+
 def test_stacked_qkv_equals_three_products(parity_models, monkeypatch):
     """q, k, v as one stacked product (decode: one launch) against three separate ones,
     in a prompt (slices copied out) and in decode steps (slices used in place)."""
