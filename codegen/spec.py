@@ -122,8 +122,8 @@ class ModelSpec(WgmmaTarget, KernelSpec):
     max_head_dim: int = 256     # the widest head the backend takes (at most the widest decode attention)
     cache: str = "f32"
     wgmma: bool = False
-    DENSE_TILE: ClassVar[int] = 64     # dense_f32_tiled: rows and tokens of a tile
-    DENSE_STEP: ClassVar[int] = 16     # its k of a step (a split of k is a multiple of it)
+    DENSE_TILE: ClassVar[int] = 128    # dense_f32_tiled: rows and tokens of a tile (16 threads x 8)
+    DENSE_STEP: ClassVar[int] = 8      # its k of a step (a split of k is a multiple of it)
     CACHE_TYPES: ClassVar[tuple[str, ...]] = ("f32", "f16")
 
     @property
