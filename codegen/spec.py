@@ -122,8 +122,10 @@ class ModelSpec(WgmmaTarget, KernelSpec):
     max_head_dim: int = 256     # the widest head the backend takes (at most the widest decode attention)
     cache: str = "f32"
     wgmma: bool = False
-    DENSE_TILE: ClassVar[int] = 128    # dense_f32_tiled: rows and tokens of a tile (16 threads x 8)
-    DENSE_STEP: ClassVar[int] = 8      # its k of a step (a split of k is a multiple of it)
+    DENSE_TILE: ClassVar[int] = 64     # dense_f32_tiled: rows and tokens of a tile (products of up to 64 rows)
+    DENSE_STEP: ClassVar[int] = 16     # its k of a step (a split of k is a multiple of it)
+    DENSE_WIDE_TILE: ClassVar[int] = 128   # dense_f32_tiled128: the same for wider products
+    DENSE_WIDE_STEP: ClassVar[int] = 8
     CACHE_TYPES: ClassVar[tuple[str, ...]] = ("f32", "f16")
 
     @property
@@ -160,7 +162,7 @@ class ModelSpec(WgmmaTarget, KernelSpec):
         "rope_neox", "kv_store", "attn_decode_h64", "attn_decode_h128", "attn_decode_h256", *(f"attn_decode_gqa_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         *(f"attn_decode_gqa_tc_g{g}h{w}" for g in (2, 4, 8) for w in (64, 128)),
         "add_rms_norm", "moe_combine_rms_norm", "moe_combine_rms_norm_rows", "qk_norm_rope_store", "qk_norm_rope_store_h128", "softmax_causal", "router_route", "router_route_cluster",
-        "route_topk", "router_route_keyed", "router_route_cluster_keyed", "route_topk_keyed", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_reduce", "dense_f32_id",
+        "route_topk", "router_route_keyed", "router_route_cluster_keyed", "route_topk_keyed", "swiglu", "swiglu_split", "dense_f32", "dense_f32_tiled", "dense_f32_tiled128", "dense_f32_reduce", "dense_f32_id",
         "moe_combine", "attn_prefill", "attn_prefill_tc", "attn_prefill_fa64", "attn_prefill_fa128", "attn_prefill_fa", "kv_rows_f16",
         "rope_yarn_store", "add_bias", "glu_oai_id", "glu_oai_id_f16", "mla_rope_store", "attn_decode_mla", "attn_decode_mla_merge", "attn_prefill_mla",
     )

@@ -37,6 +37,15 @@ class GpuWeight:
         self.qtype, self.shape, self.q, self.f = qtype, tuple(shape), q, f
 
 
+def dense_tile_form(m: int) -> tuple[str, int, int]:
+    """The float product kernel for m rows, its tile's rows (and tokens) and k step: 128-row
+    tiles past 64 rows (Qwen3's and GLM's 128-expert routers), 64-row ones up to 64, where
+    the wide tile would leave most rows empty (Mixtral's 8, gpt-oss's 32, DeepSeek's 64)."""
+    if m > ModelSpec.DENSE_TILE:
+        return "dense_f32_tiled128", ModelSpec.DENSE_WIDE_TILE, ModelSpec.DENSE_WIDE_STEP
+    return "dense_f32_tiled", ModelSpec.DENSE_TILE, ModelSpec.DENSE_STEP
+
+
 class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
     name = "cuda"
 
@@ -307,14 +316,13 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
     def _dense_tiled(self, w, x, out):
         """out = x @ w.T in square tiles, split over k until the SMs have two blocks each."""
         (n, k), m = x.shape, w.shape[0]
-        T, K = ModelSpec.DENSE_TILE, ModelSpec.DENSE_STEP
+        name, T, K = dense_tile_form(m)
         tiles = -(-m // T) * -(-n // T)
         splits = max(1, min(-(-2 * self._device()["sm_count"] // tiles), k // 256))
         kc = -(-k // (splits * K)) * K
         splits = -(-k // kc)
         dst = out if splits == 1 else self.ws("dense_partials", (splits, n, m))
-        self.kernel("dense_f32_tiled")((-(-m // T), -(-n // T), splits), (256,),
-                                       (w, x, dst, _i32(m), _i32(k), _i32(n), _i32(kc)))
+        self.kernel(name)((-(-m // T), -(-n // T), splits), (256,), (w, x, dst, _i32(m), _i32(k), _i32(n), _i32(kc)))
         if splits > 1:
             self.kernel("dense_f32_reduce")(grid_1d(n * m), (256,), (dst, out, _i32(splits), np.int64(n * m)))
 

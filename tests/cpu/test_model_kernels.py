@@ -23,9 +23,13 @@ def test_model_kernels_compile(arch, wgmma, cache, generated):
     assert compiled.cubin.stat().st_size > 0
     assert set(spec.kernels) <= set(compiled.info), sorted(set(spec.kernels) - set(compiled.info))
     for k in spec.kernels:
-        if k.startswith(("attn_decode", "attn_prefill_fa", "attn_prefill_wg")):
+        if k.startswith(("attn_decode", "attn_prefill_fa", "attn_prefill_wg", "dense_f32_tiled",
+                         "moe_combine_rms_norm_rows", "qk_norm_rope_store_h128")):
             assert compiled.info[k]["spill_stores"] == 0, (k, compiled.info[k])
         assert not compiled.info[k].get("wgmma_serialized"), k     # its pipeline kept (ptxas C7520)
+    # two blocks an SM: the wide float tile's launch bounds, the prompt combine's registers
+    assert compiled.info["dense_f32_tiled128"]["registers"] <= 128
+    assert compiled.info["moe_combine_rms_norm_rows"]["registers"] <= 128
 
 
 def test_the_wgmma_module_is_its_own_sm_90a_instance():
@@ -186,3 +190,15 @@ def test_the_step_takes_the_grouped_kernel_from_its_position():
     assert not grouped_at(attn_hparams(8, 8, 128), 20480, 132)                      # no group to share
     assert grouped_at(qwen, 20480, 84, smem_limit=101376)                           # sm_86: two buffers fit
     assert not grouped_at(qwen, 20480, 84, smem_limit=65536)                        # they don't: per head
+
+
+def test_float_products_take_the_wide_tile_past_64_rows():
+    """128-row tiles for Qwen3's and GLM's 128-expert routers; 64-row ones up to 64 rows
+    (Mixtral's 8, gpt-oss's 32, DeepSeek's 64 experts), which a wide tile would leave mostly
+    empty; both forms rendered from the spec's sizes."""
+    from moeforge.runtime.backend_cuda import dense_tile_form
+    assert dense_tile_form(8) == dense_tile_form(64) == ("dense_f32_tiled", 64, 16)
+    assert dense_tile_form(65) == dense_tile_form(128) == ("dense_f32_tiled128", 128, 8)
+    src = render(ModelSpec())
+    assert "dense_tiled<1, 16>(w, x, out, m, k, n, kc);" in src
+    assert "dense_tiled<2, 8>(w, x, out, m, k, n, kc);" in src

@@ -148,9 +148,11 @@ def test_tensor_core_prompt_attention_with_sinks_and_windows(precision, heads, p
     assert nmse < 5e-4, f"NMSE {nmse:.2e} against float64"
 
 
-@pytest.mark.parametrize("m,k,n", [(128, 2048, 512), (130, 2050, 37), (7, 33, 17), (200, 64, 100)])
+@pytest.mark.parametrize("m,k,n", [(128, 2048, 512), (130, 2050, 37), (7, 33, 17), (200, 64, 100),
+                                   (64, 300, 40), (65, 96, 130)])
 def test_float_product_tiles_match_float64(m, k, n):
-    """dense_f32_tiled (float products of more than SMALL_N tokens: the router in a prompt)."""
+    """dense_f32_tiled and dense_f32_tiled128 (float products of more than SMALL_N tokens:
+    the router in a prompt; up to 64 rows and past them)."""
     import cupy as cp
 
     from moeforge.runtime.backend_cuda import SMALL_N, CudaBackend, GpuWeight
