@@ -91,7 +91,7 @@ class CudaMoeOps:
         columns (d % 4, every row 16-byte aligned), up to COMBINE_GROUPS float4 a thread."""
         return (y is not None and 1 <= top_k <= COMBINE_ROWS_SLOTS and d % 4 == 0
                 and d <= 4 * COMBINE_ROWS_GROUPS * dispatch.COMBINE_PROMPT_THREADS
-                and all(a is None or a.data.ptr % 16 == 0 for a in (x, y, w, out, bias)))
+                and _aligned16(x, y, w, out, bias))
 
     def moe_down_combine_rms_norm_(self, L, x, act, ids, wts, w, eps, name):
         n, top_k = ids.shape
