@@ -202,3 +202,18 @@ def test_float_products_take_the_wide_tile_past_64_rows():
     src = render(ModelSpec())
     assert "dense_tiled<1, 16>(w, x, out, m, k, n, kc);" in src
     assert "dense_tiled<2, 8>(w, x, out, m, k, n, kc);" in src
+
+
+def test_a_prompt_combine_takes_the_float4_rows_where_they_fit():
+    """moe_combine_rms_norm_rows: 1 to 8 slots, d a multiple of 4 up to 4 float4 groups of
+    256 threads, every row 16-byte aligned; anything else keeps the one-column kernel."""
+    from types import SimpleNamespace
+
+    from moeforge.runtime.moe_cuda import CudaMoeOps
+    buf = lambda addr=0: SimpleNamespace(data=SimpleNamespace(ptr=addr))   # noqa: E731
+    fit = lambda d=2048, top_k=8, y=buf(), bias=None, x=buf(): CudaMoeOps._combine_rows_fit(  # noqa: E731
+        x, y, buf(), buf(), bias, d, top_k)
+    assert fit() and fit(d=2880, top_k=4, bias=buf(4096)) and fit(d=4096, top_k=1) and fit(d=4)
+    assert not fit(top_k=9) and not fit(top_k=0) and not fit(y=None)
+    assert not fit(d=4100) and not fit(d=2050)
+    assert not fit(x=buf(8)) and not fit(bias=buf(4100))
