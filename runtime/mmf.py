@@ -34,12 +34,13 @@ def x_to_f16(spec: MmfSpec, x2d, glu: bool = False):
 def run_mmf(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, out, glu: bool = False) -> None:
     """out[entry] = W[expert] @ x[entry / x_div] for every (token, slot) entry of ids, or
     with ids None the dense out = x @ W^T (w 2-D). Validated operands only."""
-    _check_f16(spec, w, ids)
+    check_f16(spec, w, ids)
     xh, kp = x_to_f16(spec, x2d, glu)
     run_mmf_f16(spec, w, xh, kp, ids, x_div, out)
 
 
-def _check_f16(spec: MmfSpec, w: QuantTensor, ids) -> None:
+def check_f16(spec: MmfSpec, w: QuantTensor, ids) -> None:
+    """What the f16 tiles refuse, asked before anything is launched for them."""
     if spec.ids != (ids is not None):
         raise ValueError(f"{spec.name}: {'needs' if spec.ids else 'takes no'} expert ids")
     if not w.f16_fits:
@@ -49,8 +50,8 @@ def _check_f16(spec: MmfSpec, w: QuantTensor, ids) -> None:
 
 
 def run_mmf_f16(spec: MmfSpec, w: QuantTensor, xh, kp: int, ids, x_div: int, out) -> None:
-    """run_mmf on activations already in x_f16_buffer's form."""
-    _check_f16(spec, w, ids)
+    """run_mmf on activations already in x_f16_buffer's form, its operands checked
+    (check_f16) before they were written."""
     m = w.shape[-2]
     if ids is not None:
         (rows, tiles, ntt, _, max_tiles), _ = _prepare(ids, w.n_experts, spec.x, None)

@@ -119,9 +119,10 @@ class CudaMoeOps:
             if x.act == "silu":
                 ops.run_mul_mat_id(w.q, x.gu, ids, out, x.choice, glu=True)
             else:
-                from .mmf import run_mmf_f16
+                from .mmf import check_f16, run_mmf_f16
                 if x.choice.path != "mmf_id":
                     raise ValueError(f"{name}: {x.act} products feed the f16 tiles only, not {x.choice.path}")
+                check_f16(x.choice.spec, w.q, ids)
                 run_mmf_f16(x.choice.spec, w.q, *self._glu_oai_f16(x, x.choice.spec), ids, 1, out)
             return out
         if w.q is not None:

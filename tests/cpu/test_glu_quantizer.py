@@ -102,3 +102,21 @@ def test_which_down_products_take_the_gate_up_products(monkeypatch):
     assert form("swiglu_oai", gate_b=_Dev(256)) is None                    # one bias without the other
     assert form("swiglu_oai", k=66) is None
     assert form("gelu") is None
+
+
+def test_the_f16_tiles_refuse_before_anything_is_launched():
+    """check_f16 (what run_mmf and the SwiGLU-OAI path ask first): wrong routing or weights
+    whose scales f16 cannot hold are named before any kernel, so no GPU is needed here."""
+    from types import SimpleNamespace
+
+    from moeforge.codegen.spec import MmfSpec
+    from moeforge.runtime.mmf import check_f16, run_mmf
+    fits = SimpleNamespace(f16_fits=True, qtype="q4_0")
+    wide = SimpleNamespace(f16_fits=False, qtype="q4_0",
+                           quant=SimpleNamespace(f16_scale_bytes=(0, 1)))
+    spec = MmfSpec("q4_0", x=64, y=128, warps=8)
+    check_f16(spec, fits, object())
+    with pytest.raises(ValueError, match="needs expert ids"):
+        run_mmf(spec, fits, None, None, 1, None)
+    with pytest.raises(ValueError, match="past what f16 holds"):
+        run_mmf(spec, wide, None, object(), 1, None)
