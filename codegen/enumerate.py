@@ -105,6 +105,12 @@ def mmf_wgmma_specs(q: QuantType) -> list[MmfSpec]:
             for ids in (True, False) for tiles in MMF_WGMMA_TILES]
 
 
+def mmf_glu_specs(q: QuantType) -> list[MmfSpec]:
+    """The expert wgmma tiles as glu tiles, one per activation (MmfSpec.glu: the runtime
+    takes the tile the rules chose for the gate|up product in that form)."""
+    return [dataclasses.replace(s, glu=act) for s in mmf_wgmma_specs(q) if s.ids for act in MmfSpec.GLU_ACTS]
+
+
 def mmf_specs(q: QuantType) -> list[MmfSpec]:
     if q.name not in MmfSpec.QTYPES:
         return []
@@ -117,6 +123,7 @@ def mmf_specs(q: QuantType) -> list[MmfSpec]:
             if s.smem_bytes() > SM90_SMEM_PER_BLOCK and s.stages > 2]
     out += [MmfSpec(q.name, *whole(t), ids=False, splits=s) for t in MMF_SPLIT_TILES for s in MMF_SPLITS]
     out += mmf_wgmma_specs(q)
+    out += mmf_glu_specs(q)
     return list(dict.fromkeys(out))
 
 

@@ -457,8 +457,10 @@ class MmfSpec(WgmmaTarget, KernelSpec):
     wn: int = 1          # warps along the tile's tokens (the others split its rows)
     splits: int = 1      # blocks sharing an output tile's k (partials summed in order by mmf_split_sum)
     wgmma: bool = False  # sm_90a warpgroup MMA, the rows dequantized into its A registers
+    glu: str | None = None  # an expert gate|up tile that writes act(gate) * up as the down's f16 x
     QTYPES: ClassVar[tuple[str, ...]] = ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
     X_PAD_BLOCKS: ClassVar[int] = 16   # x16 rows are zero-padded to a multiple of this many blocks
+    GLU_ACTS: ClassVar[dict[str, str]] = {"silu": "silu", "swiglu_oai": "oai"}   # glu -> name suffix
 
     @property
     def quant(self) -> QuantType:
@@ -470,7 +472,8 @@ class MmfSpec(WgmmaTarget, KernelSpec):
         wn = f"n{self.wn}" if self.wn > 1 else ""
         sk = f"-k{self.splits}" if self.splits > 1 else ""
         wg = "-wg" if self.wgmma else ""
-        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}{wn}k{self.kblocks}s{self.stages}{sk}{wg}"
+        glu = f"-{self.GLU_ACTS[self.glu]}" if self.glu in self.GLU_ACTS else ""
+        return f"{fam}-{self.qtype}-x{self.x}y{self.y}w{self.warps}{wn}k{self.kblocks}s{self.stages}{sk}{wg}{glu}"
 
     @property
     def threads(self) -> int:
@@ -512,6 +515,14 @@ class MmfSpec(WgmmaTarget, KernelSpec):
             # two warpgroups, each y / 128 m64 slices of the rows over all of the tile's tokens
             raise ValueError(f"{self.name}: wgmma tiles are x64 or x128, y128 or y256, 8 warps, wn 1, no split, "
                              f"whole 64-value panels (kblocks even)")
+        if self.glu is not None:
+            if self.glu not in self.GLU_ACTS:
+                raise ValueError(f"{self.name}: glu must be one of {', '.join(self.GLU_ACTS)}, not {self.glu!r}")
+            if not (self.ids and self.wgmma):
+                raise ValueError(f"{self.name}: glu tiles are expert wgmma tiles (ids, wgmma)")
+            if self.glu_smem_bytes() > self.smem_bytes():
+                raise ValueError(f"{self.name}: its epilogue needs {self.glu_smem_bytes()} bytes of shared "
+                                 f"memory, its stages {self.smem_bytes()}")
 
     # One pipeline stage: weight quants (rows padded by 16 bytes: the 8 rows a warp reads
     # at once fall in different banks), weight scales, then x in f16 (rows padded by 32
@@ -535,6 +546,12 @@ class MmfSpec(WgmmaTarget, KernelSpec):
     def smem_bytes(self) -> int:
         L = self.layout()
         return L["stage"] * self.stages
+
+    def glu_smem_bytes(self) -> int:
+        """A glu tile's epilogue, in the stages' memory: the two warpgroups' float32
+        accumulators for each other's tokens, then the f16 tile of y/2 columns a token (rows
+        16 bytes longer: mmf_glu.cuh.j2)."""
+        return 2 * (self.y // 128) * (self.x // 4) * 128 * 4 + self.x * (self.y + 16)
 
 
 SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec, MmfSpec)}

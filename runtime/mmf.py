@@ -11,14 +11,14 @@ from .ops import _NULL, WORKSPACE, _act_width, _aligned, _i32, _prepare, _round_
 from .tensor import QuantTensor
 
 
-def x_f16_buffer(spec: MmfSpec, rows: int, k: int):
+def x_f16_buffer(spec: MmfSpec, rows: int, k: int, name: str = "x_f16"):
     """The f16 activations' buffer, (rows, kp): k padded to whole groups of X_PAD_BLOCKS
-    blocks, in the kernel's k order (mmf_x_to_f16 fills it, or a model kernel that writes
-    that order itself: glu_oai_id_f16)."""
+    blocks, in the kernel's k order (mmf_x_to_f16 fills it, or a kernel that writes that
+    order itself: glu_oai_id_f16, a glu tile into its own workspace `name`)."""
     kp = _round_up(k // 32, MmfSpec.X_PAD_BLOCKS) * 32
     if spec.wgmma and rows * kp * 2 >= 1 << 32:
         raise ValueError(f"{spec.name}: {rows} x {kp} f16 activations pass 4 GiB; its row offsets are 32-bit")
-    return WORKSPACE.get("x_f16", rows * kp * 2, np.uint16).reshape(rows, kp), kp
+    return WORKSPACE.get(name, rows * kp * 2, np.uint16).reshape(rows, kp), kp
 
 
 def x_to_f16(spec: MmfSpec, x2d, glu: bool = False):
@@ -47,6 +47,35 @@ def check_f16(spec: MmfSpec, w: QuantTensor, ids) -> None:
         lo, hi = w.quant.f16_scale_bytes
         raise ValueError(f"{spec.name}: the {w.qtype} weights' largest scale byte lies outside [{lo}, {hi}], "
                          f"past what f16 holds: run them on the int8 tiles (dispatch does, given f16_fits)")
+
+
+def run_mmf_glu(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, gate_b=None, up_b=None):
+    """The expert gate|up product on a glu tile (spec.glu: its activation): act(gate) * up
+    of every (token, slot) entry of ids (x2d's row entry / x_div), with the experts' biases
+    (E, ff) where given, written as the f16 x of a down product on wgmma tiles; returns that
+    x, (ids.size, kp), and kp. w: the merged gate|up experts, gate rows first. No float32
+    product reaches memory; the bits are those of run_mmf on the plain tile, then
+    mmf_x_to_f16 (SiLU) or glu_oai_id_f16 (SwiGLU-OAI) of its output."""
+    if not spec.glu:
+        raise ValueError(f"{spec.name}: not a glu tile")
+    check_f16(spec, w, ids)
+    E, m, _ = w.shape
+    if m % 64:
+        raise ValueError(f"{spec.name}: {m} gate|up rows are not two halves of whole 32-value blocks")
+    if (gate_b is None) != (up_b is None) or (gate_b is not None and spec.glu == "silu"):
+        raise ValueError(f"{spec.name}: biases are for swiglu_oai, gate and up both")
+    for b in (gate_b, up_b):
+        if b is not None and (b.shape != (E, m // 2) or b.dtype != np.float32 or not b.flags.c_contiguous):
+            raise ValueError(f"{spec.name}: biases must be contiguous float32 {(E, m // 2)}, not {b.dtype} {b.shape}")
+    xh, kp = x_to_f16(spec, x2d)
+    xo, okp = x_f16_buffer(spec, ids.size, m // 2, "x_f16_act")
+    (rows, tiles, ntt, _, max_tiles), _ = _prepare(ids, E, spec.x, None)
+    grid = max_tiles * -(-(m // 2) // (spec.y // 2))
+    ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
+    load(spec)((grid,), (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), xh, xo, rows, tiles, ntt, _i32(m),
+                         _i32(w.nb), _i32(w.meta_stride), _i32(kp), _i32(x_div),
+                         _i32(0), _i32(okp), ptr(gate_b), ptr(up_b)))
+    return xo, okp
 
 
 def run_mmf_f16(spec: MmfSpec, w: QuantTensor, xh, kp: int, ids, x_div: int, out) -> None:

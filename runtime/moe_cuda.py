@@ -2,9 +2,12 @@
 the expert products and their fusions, the experts' weighted sum. At decode sizes the
 router and its top-k are one launch, gate and up one fused mat-vec, and the down product
 adds its weighted sum into the residual itself; past them the grouped products run, the
-SwiGLU going into the down product's quantizer (GluProducts).
+activation written by the gate|up tiles as the down's f16 x where both run on wgmma tiles
+(GluF16), else applied by the down product's quantizer (GluProducts).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -59,6 +62,15 @@ class GluProducts:
         self.shape = (*gu.shape[:-1], gu.shape[-1] // 2)
 
 
+class GluF16:
+    """act(gate) * up of the expert FFN as the down product's f16 x, (rows, kp), written
+    by the gate|up tiles themselves (MmfSpec.glu: mmf.run_mmf_glu): no float32 products, no
+    launch between. `choice` is the down product's path, wgmma tiles of that x order."""
+
+    def __init__(self, xh, kp: int, choice: dispatch.Choice, shape: tuple[int, ...]):
+        self.xh, self.kp, self.choice, self.shape = xh, kp, choice, shape
+
+
 def _aligned16(*arrays) -> bool:
     return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
 
@@ -109,10 +121,23 @@ class CudaMoeOps:
         self._waited_ids = None
         ops.run_mul_mat_id_combine(L.down.q, act, ids, wts, x, ids_settled=settled)
 
-    def mul_mat_id(self, w, x, ids, name):
+    def mul_mat_id(self, w, x, ids, name, glu=None):
+        """glu: (the glu tile, the down product's choice, gate and up biases) for the merged
+        gate|up experts w, whose activations it returns as the down's x (GluF16)."""
         n, top_k = ids.shape
         E, m, k = w.shape
+        if glu is not None:
+            from .mmf import run_mmf_glu
+            spec, down, gate_b, up_b = glu
+            xh, kp = run_mmf_glu(spec, w.q, x.reshape(-1, k), ids, top_k if x.ndim == 2 else 1, gate_b, up_b)
+            return GluF16(xh, kp, down, (n, top_k, m // 2))
         out = self.ws(name, (n, top_k, m))
+        if isinstance(x, GluF16):
+            from .mmf import run_mmf_f16
+            if w.q is None or x.shape != (n, top_k, k):
+                raise ValueError(f"{name}: activations of shape {x.shape} cannot feed {w.qtype} {w.shape}")
+            run_mmf_f16(x.choice.spec, w.q, x.xh, x.kp, ids, 1, out)
+            return out
         if isinstance(x, GluProducts):
             if w.q is None or x.shape != (n, top_k, k):
                 raise ValueError(f"{name}: gate|up products of shape {x.gu.shape} cannot feed {w.qtype} {w.shape}")
@@ -150,6 +175,9 @@ class CudaMoeOps:
         if w.q is None or n > dispatch.MMVQ_MAX_TOKENS:
             glu = self._glu_form(L, n, top_k) if L.gate_up is not None and w.q is not None else None
             if glu is not None:
+                tile = self._glu_tile(L, ids, glu)
+                if tile is not None:
+                    return self.mul_mat_id(L.gate_up, x, ids, "gate_up", (tile, glu, L.gate_b, L.up_b))
                 return GluProducts(self.mul_mat_id(L.gate_up, x, ids, "gate_up"), glu, act, L.gate_b, L.up_b, ids)
             return super().expert_gate_up(L, x, ids, name)
         from .fused import Operands, run_moe_gate_up
@@ -178,6 +206,26 @@ class CudaMoeOps:
             return choice if choice.path in ops.GLU_PATHS else None
         fits = k % 4 == 0 and (L.gate_b is None) == (L.up_b is None) and _aligned16(L.gate_b, L.up_b)
         return choice if choice.path == "mmf_id" and fits else None
+
+    def _glu_tile(self, L, ids, down: dispatch.Choice):
+        """The gate|up product's glu tile (MmfSpec.glu), where it and the down product (its
+        choice `down`, from _glu_form) both run on wgmma tiles, else None. The down's
+        operands are checked here, before the gate|up tiles write its x."""
+        if not (self.fuse_glu_tiles and down.path == "mmf_id" and down.spec.wgmma):
+            return None
+        n, top_k = ids.shape
+        E, m, k = L.gate_up.shape
+        gu = dispatch.choose_mul_mat_id(L.gate_up.qtype, E, top_k, m, k, n, L.gate_up.q.f16_fits)
+        if gu.path != "mmf_id" or not gu.spec.wgmma or m % 64:
+            return None
+        spec = dataclasses.replace(gu.spec, glu=self.hp.expert_act)
+        try:
+            spec.check()
+        except ValueError:
+            return None
+        from .mmf import check_f16
+        check_f16(down.spec, L.down.q, ids)
+        return spec
 
     def _glu_oai_f16(self, g: GluProducts, spec):
         """SwiGLU-OAI of the gate|up products with their experts' biases, as the f16

@@ -489,3 +489,39 @@ def test_wgmma_tiles_are_sm90_instances_with_aligned_swizzled_panels(tmp_path):
     summary = generate(parse_types("q8_0"), ("sm_80",), tmp_path, progress=False, out=io.StringIO(),
                        subset={"sm_80": [dense, MmfSpec("q8_0", 128, 128, 4, 4, 2, ids=False)]})
     assert summary["total"] == 1 and summary["failures"] == []
+
+
+def test_glu_tiles_are_named_expert_wgmma_instances_with_room_for_their_epilogue(tmp_path):
+    """MmfSpec.glu: an expert wgmma tile that writes act(gate) * up as the down product's
+    f16 x. Its own name and round trip; refused off the expert wgmma tiles and for other
+    activations; built for every format's expert tiles (so `moeforge generate` compiles
+    them) and not among the tiles the rules pick from; its epilogue fits in its stages'
+    memory; the plain tiles' source does not carry it; compiled for sm_90 without spills."""
+    from moeforge.codegen.compile import compile_spec
+    from moeforge.codegen.enumerate import mmf_glu_specs, mmf_specs, mmf_wgmma_specs
+    from moeforge.codegen.quant import quant_type
+    from moeforge.codegen.render import render
+    base = MmfSpec("q4_0", 128, 256, 8, 4, 3, ids=True, wgmma=True)
+    silu, oai = (dataclasses.replace(base, glu=a) for a in ("silu", "swiglu_oai"))
+    assert silu.name == "mmf_id-q4_0-x128y256w8k4s3-wg-silu" and oai.name.endswith("-wg-oai")
+    assert KernelSpec.from_dict(oai.to_dict()) == oai and KernelSpec.from_dict(base.to_dict()) == base
+    for bad, msg in [(dict(glu="gelu"), "glu must be one of"), (dict(wgmma=False, x=64, y=128, warps=8), "expert wgmma"),
+                     (dict(ids=False), "expert wgmma")]:
+        with pytest.raises(ValueError, match=msg):
+            dataclasses.replace(silu, **bad).check()
+    # two warpgroups' halves of the accumulators (x/4 floats a thread each) and the f16 tile
+    assert silu.glu_smem_bytes() == 2 * 2 * 32 * 128 * 4 + 128 * (256 + 16)
+    for q in MmfSpec.QTYPES:
+        glu = mmf_glu_specs(quant_type(q))
+        assert sorted((s.y, s.glu) for s in glu) == [(128, "silu"), (128, "swiglu_oai"), (256, "silu"),
+                                                     (256, "swiglu_oai")], q
+        assert all(s.glu_smem_bytes() <= s.smem_bytes() for s in glu)
+        assert set(glu) <= set(mmf_specs(quant_type(q)))
+        assert all(s.glu is None for s in mmf_wgmma_specs(quant_type(q)))
+    src = render(base)
+    assert "glu_store" not in src and "float* __restrict__ out" in src
+    for s in (silu, oai):
+        text = render(s)
+        assert "glu_store(d, smem" in text and "int okp" in text and ("swiglu_oai(" in text) == (s is oai)
+    ck = compile_spec(oai, "sm_90", tmp_path)
+    assert ck.info[oai.symbol]["spill_stores"] == 0 and ck.cubin.exists()

@@ -155,6 +155,7 @@ def test_swiglu_oai_into_the_f16_tiles_changes_no_bit(oss_models, monkeypatch, n
     for fused in (True, False):
         m = load_model(paths[name], backend="cuda", n_ubatch=64)
         m.backend.fuse_glu_quant = fused
+        m.backend.fuse_glu_tiles = False     # test_swiglu_oai_in_the_glu_tiles_changes_no_bit's
         calls = {"glu_id": 0, "f16": 0}
         glu_id, glu_f16 = m.backend.glu_id, m.backend._glu_oai_f16
 
@@ -171,3 +172,40 @@ def test_swiglu_oai_into_the_f16_tiles_changes_no_bit(oss_models, monkeypatch, n
         else:
             assert calls["glu_id"] > 0 and calls["f16"] == 0, calls
     np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("name", ["q8_0", "mxfp4_moe"])
+def test_swiglu_oai_in_the_glu_tiles_changes_no_bit(oss_models, monkeypatch, name):
+    """With gate|up and down both on wgmma tiles, the gate|up tiles write SwiGLU-OAI of
+    their products and the experts' biases as the down's f16 x themselves (MmfSpec.glu): a
+    prompt's logits must be those of glu_oai_id_f16's path and of glu_oai_id's, bit for bit,
+    and the glu tiles must really have run."""
+    from dataclasses import replace
+
+    from moeforge.codegen.enumerate import mmf_wgmma_specs
+    from moeforge.runtime import dispatch, mmf
+    if not dispatch.wgmma_available():
+        pytest.skip("the wgmma tiles need an sm_90 device (H100, H200)")
+    qtype = {"q8_0": "q8_0", "mxfp4_moe": "mxfp4"}[name]
+    tiles = {s.y: s for s in mmf_wgmma_specs(quant_type(qtype)) if s.ids}
+    real = dispatch.choose_mul_mat_id
+
+    def held(q, E, top_k, m, k, n, f16=True):
+        if n <= dispatch.MMVQ_MAX_TOKENS or q != qtype:
+            return real(q, E, top_k, m, k, n, f16)
+        return dispatch.Choice("mmf_id", replace(tiles[256 if k > m // 2 else 128], qtype=q))
+    monkeypatch.setattr(dispatch, "choose_mul_mat_id", held)
+    glu_runs = []
+    run_glu = mmf.run_mmf_glu
+    monkeypatch.setattr(mmf, "run_mmf_glu", lambda spec, *a: glu_runs.append(spec) or run_glu(spec, *a))
+    paths, toks, seed = oss_models
+    outs = []
+    for tiles_on, f16_conv in ((True, True), (False, True), (False, False)):
+        glu_runs.clear()
+        m = load_model(paths[name], backend="cuda", n_ubatch=64)
+        m.backend.fuse_glu_tiles, m.backend.fuse_glu_quant = tiles_on, f16_conv
+        outs.append(m.logits(toks[:140]))
+        assert np.isfinite(outs[-1]).all()
+        assert bool(glu_runs) == tiles_on and all(s.glu == "swiglu_oai" for s in glu_runs), glu_runs
+    np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(outs[0], outs[2], err_msg=f"seed {seed}")

@@ -235,3 +235,45 @@ def test_swiglu_in_the_down_quantizer_changes_no_bit(parity_models, name):
         assert (len(calls) == 0) == fused, len(calls)
         assert np.isfinite(outs[-1]).all()
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q8_0", "glm-q4_0", "ds-q8_0"])
+def test_glu_tiles_change_no_bit(parity_models, monkeypatch, name):
+    """Where the gate|up and the down products both run on wgmma tiles, the gate|up tiles
+    write SiLU(gate) * up as the down's f16 x themselves (MmfSpec.glu): a prompt's logits
+    must be those of the plain tiles and the down's conversion, bit for bit, and the glu
+    tiles must really have run (GLM: a dense first layer as one expert and a shared expert
+    apart; DeepSeek: shared experts riding as experts). Every expert product past decode
+    sizes is held on a wgmma tile here, of 256 rows or 128 by its shape."""
+
+    from moeforge.codegen.enumerate import mmf_wgmma_specs
+    from moeforge.codegen.quant import quant_type
+    from moeforge.runtime import dispatch, mmf
+    if not dispatch.wgmma_available():
+        pytest.skip("the wgmma tiles need an sm_90 device (H100, H200)")
+    real = dispatch.choose_mul_mat_id
+
+    def held(q, E, top_k, m, k, n, f16=True):
+        if n <= dispatch.MMVQ_MAX_TOKENS or q not in ("q4_0", "q8_0"):
+            return real(q, E, top_k, m, k, n, f16)
+        tiles = {s.y: s for s in mmf_wgmma_specs(quant_type(q)) if s.ids}
+        return dispatch.Choice("mmf_id", tiles[256 if k > m // 2 else 128])
+    monkeypatch.setattr(dispatch, "choose_mul_mat_id", held)
+    glu_runs = []
+    run_glu = mmf.run_mmf_glu
+    monkeypatch.setattr(mmf, "run_mmf_glu", lambda spec, *a: glu_runs.append(spec) or run_glu(spec, *a))
+    fx = parity_models[name]
+    toks = np.asarray(fx["tokens"][:100])
+    outs = []
+    for tiles in (True, False):
+        glu_runs.clear()
+        m = load_model(fx["path"], backend="cuda", n_ubatch=100)
+        m.backend.fuse_glu_tiles = tiles
+        m.reset(len(toks))
+        outs.append(m.eval(toks))
+        assert np.isfinite(outs[-1]).all()
+        if tiles:
+            assert glu_runs and all(s.glu == "silu" for s in glu_runs), glu_runs
+        else:
+            assert not glu_runs
+    np.testing.assert_array_equal(outs[0], outs[1])
