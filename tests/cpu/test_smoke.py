@@ -44,3 +44,18 @@ def test_step_kernels_table_sums_an_ncu_export_and_flags_kernels_outside_the_cha
     assert "outside the PDL chain" in text.splitlines()[2] and text.splitlines()[-1].split()[1] == "3"
     with pytest.raises(ValueError, match="Kernel Name"):
         sk.table(["no header here"])
+
+
+def test_glu_probe_names_its_models_and_stops_without_a_gpu():
+    """scripts/glu_probe.py (run on the GPU machine): an unknown model is refused by name;
+    without a CUDA device it says so and exits 2 before building anything."""
+    import pathlib
+    import subprocess
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "glu_probe.py"
+    r = subprocess.run([sys.executable, str(path), "--models", "gpt-oss-20b,nope"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown model nope" in r.stderr
+    import os
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}     # as on CI's machine, on any machine
+    r = subprocess.run([sys.executable, str(path), "--n", "2048"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "no CUDA device found" in r.stderr
