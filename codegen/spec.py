@@ -548,10 +548,9 @@ class MmfSpec(WgmmaTarget, KernelSpec):
         return L["stage"] * self.stages
 
     def glu_smem_bytes(self) -> int:
-        """A glu tile's epilogue, in the stages' memory: the two warpgroups' float32
-        accumulators for each other's tokens, then the f16 tile of y/2 columns a token (rows
-        16 bytes longer: mmf_glu.cuh.j2)."""
-        return 2 * (self.y // 128) * (self.x // 4) * 128 * 4 + self.x * (self.y + 16)
+        """A glu tile's epilogue, in the stages' memory: the tile's float32 accumulators,
+        whole, then its y/2 gate and y/2 up biases (mmf_glu.cuh.j2)."""
+        return self.x * self.y * 4 + self.y * 4
 
 
 SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec, MmfSpec)}

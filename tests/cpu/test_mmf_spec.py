@@ -509,8 +509,8 @@ def test_glu_tiles_are_named_expert_wgmma_instances_with_room_for_their_epilogue
                      (dict(ids=False), "expert wgmma")]:
         with pytest.raises(ValueError, match=msg):
             dataclasses.replace(silu, **bad).check()
-    # two warpgroups' halves of the accumulators (x/4 floats a thread each) and the f16 tile
-    assert silu.glu_smem_bytes() == 2 * 2 * 32 * 128 * 4 + 128 * (256 + 16)
+    # both warpgroups' accumulators (x/2 floats an m64 slice a thread), then the biases
+    assert silu.glu_smem_bytes() == 256 * 2 * 64 * 4 + 256 * 4
     for q in MmfSpec.QTYPES:
         glu = mmf_glu_specs(quant_type(q))
         assert sorted((s.y, s.glu) for s in glu) == [(128, "silu"), (128, "swiglu_oai"), (256, "silu"),
