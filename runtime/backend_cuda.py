@@ -88,8 +88,8 @@ class CudaBackend(CudaAttentionOps, CudaMoeOps, Backend):
         self.fuse_down_combine = True  # at decode the down product adds its weighted sum to x itself
         self.router_cluster = True   # sm_90+: the decode router and routing in a cluster per token
         self.fuse_glu_quant = True     # past decode sizes the down product's quantizer applies SwiGLU
-        self.fuse_glu_tiles = False    # ... or the gate|up wgmma tiles write it as the down's f16 x (off:
-                                       # slower as measured, DESIGN-NOTES "Glu tiles")
+        self.fuse_glu_tiles = dispatch.glu_tiles_enabled()  # ... or the gate|up wgmma tiles write
+                                                             # it as the down's f16 x
         self._pending_qk = None      # (q pointer, k, v, q_norm, k_norm) it then takes over
         self.attn_tile_buffers = None  # tensor-core prompt attention's key tiles: 1 or 2 (None: as
                                        # the card's shared memory allows)

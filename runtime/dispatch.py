@@ -361,6 +361,20 @@ def attn_wgmma_available() -> bool:
     return on and _device_cc_major() == 9
 
 
+# Expert gate|up products on wgmma tiles that write act(gate) * up as the down product's f16
+# x themselves (MmfSpec.glu, where both products take wgmma tiles), in place of the plain
+# tile's float32 output and a conversion launch. H200, the product and the conversion alone
+# (scripts/glu_probe.py), gpt-oss-20b 2048 / 4096 tokens 981.3 -> 973.6, 1828.4 -> 1809.2 us;
+# Qwen3-30B-A3B 475.7 -> 448.2, 704.6 -> 659.0; whole prompts +0.1% / +1.2% and +1.9% /
+# +2.4% at pp2048 / pp4096 (BENCHMARKS.md "Glu tiles with a rolled epilogue").
+# MOEFORGE_GLU_TILES=0 turns it off.
+GLU_TILES = True
+
+
+def glu_tiles_enabled() -> bool:
+    return os.environ.get("MOEFORGE_GLU_TILES", "1" if GLU_TILES else "0") != "0"
+
+
 def mmf_choice(qtype: str, n: int, tokens_per_expert: float | None, m: int | None = None,
                moe: tuple[int, int] | None = None) -> Choice | None:
     """The f16 tiles in place of any int8 choice, profile or default, where they won every

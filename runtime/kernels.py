@@ -16,6 +16,7 @@ class LoadedKernel:
     spec: KernelSpec
     function: object       # cupy RawKernel-like callable
     registers: int
+    spilled: bool          # ptxas spilled registers to local memory (-v: spill stores)
     smem: int              # dynamic shared memory of a launch, when the spec fixes it
     blocks_per_sm: int     # occupancy from registers, shared memory and threads
     smem_limit: int        # the device's per-block opt-in maximum
@@ -80,5 +81,6 @@ def _loaded(spec: KernelSpec, symbol: str, dev: int) -> LoadedKernel:
     regs = compiled.info.get(symbol, {}).get("registers", 0)
     threads = getattr(spec, "threads", 256)
     ok = pdl_available(info["cc"])
-    return LoadedKernel(spec, fn, regs, smem, _occupancy(info, regs, threads, smem),
+    spilled = compiled.info.get(symbol, {}).get("spill_stores", 0) > 0
+    return LoadedKernel(spec, fn, regs, spilled, smem, _occupancy(info, regs, threads, smem),
                         info["smem_per_block_optin"], bool(getattr(spec, "pdl", False)) and ok, ok)

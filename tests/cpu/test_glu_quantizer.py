@@ -124,20 +124,22 @@ def test_the_f16_tiles_refuse_before_anything_is_launched():
 
 def test_the_glu_tiles_are_taken_only_where_both_products_run_on_wgmma(monkeypatch):
     """_glu_tile: the gate|up product's glu tile (its chosen wgmma tile with the model's
-    activation) only with the switch on and the gate|up and the down both on expert wgmma
-    tiles; the down's weights are refused by name before the gate|up tiles would write x."""
+    activation) only with the switch on, the gate|up and the down both on expert wgmma
+    tiles and the glu tile's compile free of spills; the down's weights are refused by name
+    before the gate|up tiles would write x."""
     import dataclasses
     from types import SimpleNamespace
 
     from moeforge.codegen.spec import MmfSpec
-    from moeforge.runtime import dispatch
+    from moeforge.runtime import dispatch, moe_cuda
     from moeforge.runtime.moe_cuda import CudaMoeOps
     wg = dispatch.Choice("mmf_id", MmfSpec("q4_0", 128, 256, 8, 4, 3, ids=True, wgmma=True))
     sync = dispatch.Choice("mmf_id", MmfSpec("q4_0", 64, 128, 8))
     ids = np.zeros((300, 2), dtype=np.int32)
 
-    def tile(*, on=True, gu=wg, down=wg, act="silu", m=256, fits=True):
+    def tile(*, on=True, gu=wg, down=wg, act="silu", m=256, fits=True, spilled=False):
         monkeypatch.setattr(dispatch, "choose_mul_mat_id", lambda *a, **kw: gu)
+        monkeypatch.setattr(moe_cuda, "load", lambda spec: SimpleNamespace(spilled=spilled))
         down_w = SimpleNamespace(f16_fits=fits, qtype="q4_0", quant=SimpleNamespace(f16_scale_bytes=(0, 1)))
         gate_up = SimpleNamespace(shape=(8, m, 128), qtype="q4_0", q=SimpleNamespace(f16_fits=True))
         L = SimpleNamespace(gate_up=gate_up, down=SimpleNamespace(q=down_w))
@@ -150,5 +152,21 @@ def test_the_glu_tiles_are_taken_only_where_both_products_run_on_wgmma(monkeypat
     assert tile(down=sync) is None and tile(gu=sync) is None
     assert tile(gu=dispatch.Choice("mmq_id", None)) is None
     assert tile(m=96) is None                   # not two halves of whole blocks
+    assert tile(spilled=True) is None           # its compile spilled registers
     with pytest.raises(ValueError, match="past what f16 holds"):
         tile(fits=False)
+
+
+def test_the_glu_tiles_switch(monkeypatch):
+    """The glu tiles are on by default (they measured faster: dispatch.GLU_TILES) and
+    MOEFORGE_GLU_TILES turns them off and on again, as the backend reads it."""
+    from moeforge.runtime import dispatch
+    monkeypatch.delenv("MOEFORGE_GLU_TILES", raising=False)
+    assert dispatch.glu_tiles_enabled()
+    monkeypatch.setenv("MOEFORGE_GLU_TILES", "0")
+    assert not dispatch.glu_tiles_enabled()
+    monkeypatch.setattr(dispatch, "GLU_TILES", False)
+    monkeypatch.setenv("MOEFORGE_GLU_TILES", "1")
+    assert dispatch.glu_tiles_enabled()
+    monkeypatch.delenv("MOEFORGE_GLU_TILES")
+    assert not dispatch.glu_tiles_enabled()
