@@ -69,18 +69,19 @@ def run_mmf_glu(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, gate_b=None
             raise ValueError(f"{spec.name}: biases must be contiguous float32 {(E, m // 2)}, not {b.dtype} {b.shape}")
     xh, kp = x_to_f16(spec, x2d)
     xo, okp = x_f16_buffer(spec, ids.size, m // 2, "x_f16_act")
-    (rows, tiles, ntt, _, max_tiles), _ = _prepare(ids, E, spec.x, None)
-    grid = max_tiles * -(-(m // 2) // (spec.y // 2))
-    ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
-    load(spec)((grid,), (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), xh, xo, rows, tiles, ntt, _i32(m),
-                         _i32(w.nb), _i32(w.meta_stride), _i32(kp), _i32(x_div),
-                         _i32(0), _i32(okp), ptr(gate_b), ptr(up_b)))
+    grid, args = _tile_launch(spec, w, xh, kp, ids, x_div, xo)
+    load(spec)((grid,), args + (_i32(okp), _ptr(gate_b), _ptr(up_b)))
     return xo, okp
 
 
-def run_mmf_f16(spec: MmfSpec, w: QuantTensor, xh, kp: int, ids, x_div: int, out) -> None:
-    """run_mmf on activations already in x_f16_buffer's form, its operands checked
-    (check_f16) before they were written."""
+def _ptr(a):
+    return np.uint64(a.data.ptr) if a is not None else _NULL
+
+
+def _tile_launch(spec: MmfSpec, w: QuantTensor, xh, kp: int, ids, x_div: int, out):
+    """The grid of an f16 tile kernel and the arguments every form takes first: the
+    routing's tile table for expert products (ids), none for dense ones. A glu tile's row
+    tiles hold y/2 columns of gate and as many of up."""
     m = w.shape[-2]
     if ids is not None:
         (rows, tiles, ntt, _, max_tiles), _ = _prepare(ids, w.n_experts, spec.x, None)
@@ -89,10 +90,16 @@ def run_mmf_f16(spec: MmfSpec, w: QuantTensor, xh, kp: int, ids, x_div: int, out
         rows = tiles = ntt = None
         n_dense = xh.shape[0]
         max_tiles = -(-n_dense // spec.x)
-    ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
-    grid = max_tiles * -(-m // spec.y) * spec.splits
-    args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), xh, out, ptr(rows), ptr(tiles), ptr(ntt), _i32(m),
+    row_tiles = -(-(m // 2) // (spec.y // 2)) if spec.glu else -(-m // spec.y)
+    args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), xh, out, _ptr(rows), _ptr(tiles), _ptr(ntt), _i32(m),
             _i32(w.nb), _i32(w.meta_stride), _i32(kp), _i32(x_div), _i32(n_dense))
+    return max_tiles * row_tiles * spec.splits, args
+
+
+def run_mmf_f16(spec: MmfSpec, w: QuantTensor, xh, kp: int, ids, x_div: int, out) -> None:
+    """run_mmf on activations already in x_f16_buffer's form, its operands checked
+    (check_f16) before they were written."""
+    grid, args = _tile_launch(spec, w, xh, kp, ids, x_div, out)
     if spec.splits == 1:
         load(spec)((grid,), args)
         return

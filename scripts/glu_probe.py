@@ -17,11 +17,13 @@ import sys
 
 import numpy as np
 
-# model: (E, top_k, merged gate|up rows, k, its experts' format, activation, biases)
+from product_ab import EXPERTS    # scripts/ is on the path: the models' expert shapes
+
+# model: its experts' format, their activation, whether they have biases (shapes: EXPERTS)
 MODELS = {
-    "gpt-oss-20b": (32, 4, 5760, 2880, "mxfp4", "swiglu_oai", True),
-    "qwen3-30b-a3b": (128, 8, 1536, 2048, "q4_0", "silu", False),
-    "mixtral-8x7b": (8, 2, 28672, 4096, "q4_0", "silu", False),
+    "gpt-oss-20b": ("mxfp4", "swiglu_oai", True),
+    "qwen3-30b-a3b": ("q4_0", "silu", False),
+    "mixtral-8x7b": ("q4_0", "silu", False),
 }
 
 
@@ -35,7 +37,8 @@ def probe(model: str, n: int, calls: int, reps: int, rng) -> dict:
     from moeforge.runtime.mmf import run_mmf, run_mmf_glu, x_f16_buffer, x_to_f16
     from moeforge.runtime.tensor import QuantTensor
     from moeforge.tuning.timing import time_calls
-    E, top_k, m, k, qtype, act, biased = MODELS[model]
+    E, top_k, m, k = EXPERTS[(model, "gate_up")]
+    qtype, act, biased = MODELS[model]
     ff = m // 2
     base = dispatch.choose_mul_mat_id(qtype, E, top_k, m, k, n).spec
     if not getattr(base, "wgmma", False):
