@@ -59,3 +59,43 @@ def test_glu_probe_names_its_models_and_stops_without_a_gpu():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}     # as on CI's machine, on any machine
     r = subprocess.run([sys.executable, str(path), "--n", "2048"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "no CUDA device found" in r.stderr
+
+
+def test_tile_regions_splits_a_sass_export_at_the_main_loop():
+    """scripts/tile_regions.py table: ncu's SASS source page (its kernel line, then a header
+    row) split at the first backward branch after the last MMA: prologue, main loop and
+    epilogue with their shares of the stall samples and top reasons; an export without MMA
+    or without a loop is refused by name."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "tile_regions.py"
+    spec = importlib.util.spec_from_file_location("tile_regions", path)
+    tr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tr)
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+            '"stall_wait","stall_long_sb","stall_long_sb (Not Issued)"')
+
+    def export(sass):
+        rows = [f'"0x{0x100 + 16 * i:x}","{src}","{s:,}","{e}","{w}","{lsb}","999"'
+                for i, (src, s, e, w, lsb) in enumerate(sass)]
+        return ['"Kernel Name","mmf_id_q4_0_x128y256w8k4s3_wg",', head, *rows]
+    sass = [("S2R R0, SR_TID.X", 10, 8, 10, 0),                   # prologue
+            ("LDG.E R2, desc[UR4][R4.64]", 30, 8, 0, 30),
+            ("LDS R3, [R0]", 100, 80, 100, 0),                     # the loop from 0x120
+            ("HGMMA.64x128x16.F32 R24, R168, gdesc[UR8], R24", 1000, 80, 900, 0),
+            ("@P0 BRA 0x120", 40, 80, 40, 0),
+            ("LDG.E R5, desc[UR4][R6.64]", 1800, 8, 0, 1800),      # epilogue
+            ("STG.E desc[UR4][R8.64], R24", 20, 8, 20, 0)]
+    pro, loop, epi = tr.regions(export(sass))
+    assert [r["instructions"] for r in (pro, loop, epi)] == [2, 3, 2]
+    assert abs(pro["share"] - 40 / 3000) < 1e-12 and abs(loop["share"] - 1140 / 3000) < 1e-12
+    assert abs(epi["share"] - 1820 / 3000) < 1e-12 and epi["executed"] == 16
+    assert epi["stalls"][0] == ("long_sb", 1800 / 1820) and loop["stalls"][0] == ("wait", 1040 / 1140)
+    text = tr.format_table([pro, loop, epi])
+    assert text.splitlines()[3].startswith("epilogue") and "long_sb 99%" in text
+    with pytest.raises(ValueError, match="no MMA"):
+        tr.regions(export([s for s in sass if "HGMMA" not in s[0]]))
+    with pytest.raises(ValueError, match="no backward branch"):
+        tr.regions(export([s for s in sass if "BRA" not in s[0]]))
+    with pytest.raises(ValueError, match="no SASS rows"):
+        tr.regions(["nothing here"])
