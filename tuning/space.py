@@ -96,6 +96,10 @@ def path_allows(op: str, path: str, spec: KernelSpec, shape, n: int) -> str | No
             return f"the {path} path runs mmf specs"
         if spec.ids != (path == "mmf_id"):
             return f"path {path} needs an mmf spec with ids={path == 'mmf_id'}"
+        if spec.glu:
+            # the model's gate|up launch form: it writes the down's f16 x, not this product's
+            # output, and shares its plain tile's knobs
+            return "glu tiles write the down product's f16 x, not a product's output"
         return None
     if not isinstance(spec, MmqSpec):
         return f"the {path} path runs mmq specs"

@@ -1,9 +1,12 @@
 """The search space: drawn from the generated instances only, pruned before compiling."""
+import dataclasses
+
 import pytest
 
 from moeforge.codegen import enumerate as enum
 from moeforge.codegen.quant import quant_type
 from moeforge.codegen.spec import MmqSpec, MmvqSpec
+from moeforge.runtime import dispatch
 from moeforge.runtime.dispatch import Choice
 from moeforge.tuning import space as sp
 from moeforge.tuning.space import TuneKey, build, default_choice, params_of, seeds
@@ -201,3 +204,25 @@ def test_expert_tiles_below_one_wave_take_stream_k(n, monkeypatch):
     assert not default_choice(TuneKey("mul_mat_id", "q4_0", QWEN, n)).spec.stream_k
     monkeypatch.setattr(dispatch, "device_sm_count", lambda: 64)
     assert not default_choice(key).spec.stream_k
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "mxfp4"])
+@pytest.mark.parametrize("n", [512, 4096])
+def test_the_wgmma_space_round_trips_and_holds_no_glu_tile(qtype, n, monkeypatch):
+    """On sm_90 the expert products' space holds the wgmma tiles, each looked up again
+    from its own Optuna parameters; the glu tiles (the model's gate|up form, which write the
+    down's f16 x and share their plain tile's knobs) are never candidates: one had taken
+    its plain tile's parameters, and the rule's own tile could not be timed."""
+    monkeypatch.setattr(dispatch, "wgmma_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    key = TuneKey("mul_mat_id", qtype, (32, 4, 5760, 2880) if qtype == "mxfp4" else QWEN, n)
+    s = build(key)
+    wg = [c for c in s.choices if getattr(c.spec, "wgmma", False)]
+    assert wg and not any(c.spec.glu for c in s.choices if c.path == "mmf_id")
+    for c in s.choices:
+        assert s.lookup(params_of(c)).spec == c.spec
+    assert len(s.by_params) == len(s.choices)
+    d = default_choice(key)
+    assert s.lookup(params_of(d)).spec == d.spec
+    glu = dataclasses.replace(wg[0].spec, glu="silu")
+    assert "glu tiles" in sp.path_allows(key.op, "mmf_id", glu, key.shape, n)
