@@ -206,7 +206,7 @@ def test_expert_tiles_below_one_wave_take_stream_k(n, monkeypatch):
     assert not default_choice(key).spec.stream_k
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "mxfp4"])
+@pytest.mark.parametrize("qtype", ["q4_0", "mxfp4", "q4_K"])
 @pytest.mark.parametrize("n", [512, 4096])
 def test_the_wgmma_space_round_trips_and_holds_no_glu_tile(qtype, n, monkeypatch):
     """On sm_90 the expert products' space holds the wgmma tiles, each looked up again
@@ -215,6 +215,9 @@ def test_the_wgmma_space_round_trips_and_holds_no_glu_tile(qtype, n, monkeypatch
     its plain tile's parameters, and the rule's own tile could not be timed."""
     monkeypatch.setattr(dispatch, "wgmma_available", lambda: True)
     monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    dense = build(TuneKey("mul_mat", qtype, (1, 1, 4096, 2048), n))
+    assert any(getattr(c.spec, "wgmma", False) for c in dense.choices)
+    assert all(dense.lookup(params_of(c)).spec == c.spec for c in dense.choices)
     key = TuneKey("mul_mat_id", qtype, (32, 4, 5760, 2880) if qtype == "mxfp4" else QWEN, n)
     s = build(key)
     wg = [c for c in s.choices if getattr(c.spec, "wgmma", False)]
