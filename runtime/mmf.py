@@ -7,7 +7,7 @@ import numpy as np
 
 from ..codegen.spec import MmfSpec
 from .kernels import grid_1d, load
-from .ops import _NULL, WORKSPACE, _act_width, _aligned, _i32, _prepare, _round_up
+from .ops import WORKSPACE, _act_width, _aligned, _i32, _prepare, _ptr, _round_up
 from .tensor import QuantTensor
 
 
@@ -72,10 +72,6 @@ def run_mmf_glu(spec: MmfSpec, w: QuantTensor, x2d, ids, x_div: int, gate_b=None
     grid, args = _tile_launch(spec, w, xh, kp, ids, x_div, xo)
     load(spec)((grid,), args + (_i32(okp), _ptr(gate_b), _ptr(up_b)))
     return xo, okp
-
-
-def _ptr(a):
-    return np.uint64(a.data.ptr) if a is not None else _NULL
 
 
 def _tile_launch(spec: MmfSpec, w: QuantTensor, xh, kp: int, ids, x_div: int, out):

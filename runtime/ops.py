@@ -24,6 +24,11 @@ _NULL = np.uint64(0)
 _i32 = np.int32
 
 
+def _ptr(a):
+    """A device array's pointer as a kernel argument, null for None."""
+    return np.uint64(a.data.ptr) if a is not None else _NULL
+
+
 # -- validation ---------------------------------------------------------------------------
 def _device_array(a, name: str, dtype, ndims: tuple[int, ...], device_id: int):
     cp = require_gpu("moeforge products")
@@ -195,7 +200,6 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
     iters = -(-w.nb // spec.kblocks)
     if max_tiles * n_mt * iters >= 2**31:
         raise ValueError(f"product too large for one launch ({max_tiles * n_mt * iters} work units)")
-    ptr = lambda a: a.data.ptr if a is not None else 0  # noqa: E731
     if spec.stream_k:
         grid = streamk.default_grid(info["sm_count"], max(1, kern.blocks_per_sm), max_tiles * n_mt * iters)
         streamk.check_split(iters)
@@ -205,13 +209,13 @@ def _mmq(spec: MmqSpec, w: QuantTensor, w_row0: int, xq, xds, nbp: int, out_ptr:
     args = (np.uint64(w.qs_ptr(w_row0)), np.uint64(w.meta_ptr(w_row0)),
             np.uint64(xq_ptr if xq_ptr is not None else xq.data.ptr),
             np.uint64(xds_ptr if xds_ptr is not None else xds.data.ptr),
-            np.uint64(out_ptr), np.uint64(ptr(rows)), np.uint64(ptr(tiles)), np.uint64(ptr(ntt)),
-            np.uint64(ptr(partials)), _i32(m), _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp),
+            np.uint64(out_ptr), _ptr(rows), _ptr(tiles), _ptr(ntt),
+            _ptr(partials), _i32(m), _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp),
             _i32(x_div), _i32(n_dense), _i32(grid))
     kern((grid,), args)
     if spec.stream_k:
-        _util("streamk_fixup")((grid,), (partials, np.uint64(out_ptr), np.uint64(ptr(rows)),
-                                         np.uint64(ptr(tiles)), np.uint64(ptr(ntt)), _i32(n_dense),
+        _util("streamk_fixup")((grid,), (partials, np.uint64(out_ptr), _ptr(rows),
+                                         _ptr(tiles), _ptr(ntt), _i32(n_dense),
                                          _i32(spec.x), _i32(spec.y), _i32(m), _i32(w.nb),
                                          _i32(spec.kblocks), _i32(grid)), block=256)
 
@@ -261,19 +265,18 @@ def _mmvq(spec: MmvqSpec, w: QuantTensor, x2d, ids, x_div: int, out, m: int,
         n_dense = x2d.shape[0]
         max_tiles = -(-n_dense // spec.tokens)
     wu = up if up is not None else w
-    ptr = lambda a: np.uint64(a.data.ptr) if a is not None else _NULL  # noqa: E731
     grid = (-(-m // (spec.rows if spec.ksplit else spec.warps * spec.rows)), max_tiles)
     if spec.combine:
         grid = (-(-m // spec.rows), ids.shape[0])
     args = (np.uint64(w.qs_ptr()), np.uint64(w.meta_ptr()), np.uint64(wu.qs_ptr()), np.uint64(wu.meta_ptr()),
             _i32(rows_e if rows_e is not None else w.m), _i32(up_off),
-            ptr(bias_g), ptr(bias_u), _i32(bias_e), ptr(xq), ptr(xds),
+            _ptr(bias_g), _ptr(bias_u), _i32(bias_e), _ptr(xq), _ptr(xds),
             _i32(w.k), _i32(w.nb), _i32(w.meta_stride), _i32(nbp), _i32(x_div),
-            ptr(rows), ptr(tiles), ptr(ntt), _i32(n_dense), ptr(entry_scale), out, _i32(m))
+            _ptr(rows), _ptr(tiles), _ptr(ntt), _i32(n_dense), _ptr(entry_scale), out, _i32(m))
     if spec.guess:
-        args += (_i32(w.n_experts), ptr(ids_guess if ids_guess is not None else ids))
+        args += (_i32(w.n_experts), _ptr(ids_guess if ids_guess is not None else ids))
     if spec.combine:
-        args += (_i32(top_k), ptr(combine[0]), ptr(combine[1]))
+        args += (_i32(top_k), _ptr(combine[0]), _ptr(combine[1]))
     kern(grid, args, smem=spec.smem_bytes(w.k))
 
 
