@@ -515,14 +515,14 @@ class MmfSpec(WgmmaTarget, KernelSpec):
             # two warpgroups, each y / 128 m64 slices of the rows over all of the tile's tokens
             raise ValueError(f"{self.name}: wgmma tiles are x64 or x128, y128 or y256, 8 warps, wn 1, no split, "
                              f"whole 64-value panels (kblocks even)")
+        if self.epilogue_smem_bytes() > self.smem_bytes():
+            raise ValueError(f"{self.name}: its epilogue needs {self.epilogue_smem_bytes()} bytes of shared "
+                             f"memory, its stages {self.smem_bytes()}")
         if self.glu is not None:
             if self.glu not in self.GLU_ACTS:
                 raise ValueError(f"{self.name}: glu must be one of {', '.join(self.GLU_ACTS)}, not {self.glu!r}")
             if not (self.ids and self.wgmma):
                 raise ValueError(f"{self.name}: glu tiles are expert wgmma tiles (ids, wgmma)")
-            if self.glu_smem_bytes() > self.smem_bytes():
-                raise ValueError(f"{self.name}: its epilogue needs {self.glu_smem_bytes()} bytes of shared "
-                                 f"memory, its stages {self.smem_bytes()}")
 
     # One pipeline stage: weight quants (rows padded by 16 bytes: the 8 rows a warp reads
     # at once fall in different banks), weight scales, then x in f16 (rows padded by 32
@@ -547,10 +547,13 @@ class MmfSpec(WgmmaTarget, KernelSpec):
         L = self.layout()
         return L["stage"] * self.stages
 
-    def glu_smem_bytes(self) -> int:
-        """A glu tile's epilogue, in the stages' memory: the tile's float32 accumulators,
-        whole, then its y/2 gate and y/2 up biases (mmf_glu.cuh.j2)."""
-        return self.x * self.y * 4 + self.y * 4
+    def epilogue_smem_bytes(self) -> int:
+        """An expert wgmma tile's epilogue, in the stages' memory: the tile's float32
+        accumulators, whole, its x output rows, and a glu tile's y/2 gate and y/2 up biases
+        (mmf_wgmma.cuh.j2, mmf_glu.cuh.j2). Dense tiles store from registers: none."""
+        if not (self.wgmma and self.ids):
+            return 0
+        return self.x * self.y * 4 + self.x * 4 + (self.y * 4 if self.glu else 0)
 
 
 SPEC_FAMILIES: dict[str, type[KernelSpec]] = {c.family: c for c in (UtilSpec, ModelSpec, MmqSpec, MmvqSpec, MmfSpec)}

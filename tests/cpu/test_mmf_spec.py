@@ -509,19 +509,22 @@ def test_glu_tiles_are_named_expert_wgmma_instances_with_room_for_their_epilogue
                      (dict(ids=False), "expert wgmma")]:
         with pytest.raises(ValueError, match=msg):
             dataclasses.replace(silu, **bad).check()
-    # both warpgroups' accumulators (x/2 floats an m64 slice a thread), then the biases
-    assert silu.glu_smem_bytes() == 256 * 2 * 64 * 4 + 256 * 4
+    # both warpgroups' accumulators (x/2 floats an m64 slice a thread), the rows, the biases
+    assert silu.epilogue_smem_bytes() == 256 * 2 * 64 * 4 + 128 * 4 + 256 * 4
+    assert base.epilogue_smem_bytes() == 256 * 2 * 64 * 4 + 128 * 4
+    assert dataclasses.replace(base, ids=False).epilogue_smem_bytes() == 0    # stores from registers
     for q in MmfSpec.QTYPES:
         glu = mmf_glu_specs(quant_type(q))
         assert sorted((s.y, s.glu) for s in glu) == [(128, "silu"), (128, "swiglu_oai"), (256, "silu"),
                                                      (256, "swiglu_oai")], q
-        assert all(s.glu_smem_bytes() <= s.smem_bytes() for s in glu)
+        assert all(s.epilogue_smem_bytes() <= s.smem_bytes() for s in glu)
         assert set(glu) <= set(mmf_specs(quant_type(q)))
         assert all(s.glu is None for s in mmf_wgmma_specs(quant_type(q)))
     src = render(base)
-    assert "glu_store" not in src and "float* __restrict__ out" in src
+    assert "glu_store(d" not in src and "tile_store(d, smem" in src and "float* __restrict__ out" in src
+    assert "tile_store(d" not in render(dataclasses.replace(base, ids=False))
     for s in (silu, oai):
         text = render(s)
-        assert "glu_store(d, smem" in text and "int okp" in text and ("swiglu_oai(" in text) == (s is oai)
+        assert "glu_store(d, smem" in text and "tile_store(d" not in text and "int okp" in text and ("swiglu_oai(" in text) == (s is oai)
     ck = compile_spec(oai, "sm_90", tmp_path)
     assert ck.info[oai.symbol]["spill_stores"] == 0 and ck.cubin.exists()

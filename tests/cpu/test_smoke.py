@@ -99,3 +99,34 @@ def test_tile_regions_splits_a_sass_export_at_the_main_loop():
         tr.regions(export([s for s in sass if "BRA" not in s[0]]))
     with pytest.raises(ValueError, match="no SASS rows"):
         tr.regions(["nothing here"])
+
+
+def test_tree_ab_compares_the_fastest_runs_and_flags_any_changed_bit():
+    """scripts/tree_ab.py: the products it times (a format only where its blocks divide k)
+    and its table (first tag the baseline, each side's fastest run, `same` only when every
+    run's output hash agreed); runs of other than two tags are refused by name."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "tree_ab.py"
+    spec = importlib.util.spec_from_file_location("tree_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    got = ab.products(["gpt-oss-20b", "qwen3-30b-a3b"], ["q4_K", "q4_0"], dense=False)
+    assert ("qwen3-30b-a3b down", "q4_K", (128, 8, 2048, 768)) in got
+    assert ("gpt-oss-20b down", "q4_0", (32, 4, 2880, 2880)) in got
+    assert not any(q == "q4_K" and name.startswith("gpt-oss") for name, q, _ in got)    # 2880 % 256
+    assert all(shape[0] > 1 for _, _, shape in got)
+    assert any(shape[0] == 1 for _, _, shape in ab.products(["qwen3-30b-a3b"], ["q4_0"], dense=True))
+
+    def row(tag, n, us, h):
+        return dict(tag=tag, product="qwen3 down", qtype="q4_0", n=n, spec="mmf_id-q4_0-x128y128w8k4s5-wg",
+                    us=us, hash=h)
+    rows = [row("old", 1024, 200.0, "a"), row("new", 1024, 190.0, "a"), row("old", 1024, 210.0, "a"),
+            row("new", 1024, 180.0, "a"), row("old", 2048, 300.0, "b"), row("new", 2048, 290.0, "c")]
+    lines = ab.table(rows).splitlines()
+    assert "new/old" in lines[0]
+    assert lines[1].split()[-2:] == ["0.900", "yes"] and "200.0/210.0" in lines[1]
+    assert lines[2].split()[-2:] == [f"{290 / 300:.3f}", "NO"]
+    assert "only old ran" in ab.table(rows + [row("old", 4096, 1.0, "d")]).splitlines()[-1]
+    with pytest.raises(ValueError, match="two tags"):
+        ab.table(rows + [row("newer", 1024, 1.0, "a")])

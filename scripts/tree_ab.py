@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Two source trees, one list of products: the f16 tile the rules take for each (wgmma where
+the card has it), timed by the tuner's own check and timing (tuning.objective: random and
+skewed routing, weights rotated past the L2, CUDA graphs, events, median), with a hash of its
+output on seeded inputs: an edit that must not change a bit is shown not to, and its speed
+compared on one card in one call.
+
+    git archive OLD_REV | tar -x -C /tmp/old     # and the old package importable from /tmp
+    (cd /tmp && PYTHONPATH=OLD_PACKAGE python3 $TREE/scripts/tree_ab.py run old) >> ab.jsonl
+    python3 scripts/tree_ab.py run new >> ab.jsonl    # alternate old and new, twice or more
+    python3 scripts/tree_ab.py table ab.jsonl
+
+`run TAG [--models ...] [--types ...] [--n ...] [--dense]` uses whichever moeforge is
+imported (this script from the new tree drives the old package too: it calls only
+dispatch.mmf_rule_spec and tuning.objective). Products: scripts/product_ab.py's EXPERTS
+(and DENSE with --dense). `table` compares the fastest run of each tag, the first tag seen
+being the baseline; `same` says whether every run's output hash agreed.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def products(models, types, dense):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from product_ab import DENSE, EXPERTS
+
+    from moeforge.codegen.quant import quant_type
+    out = [(f"{mo} {p}", (E, top_k, m, k)) for (mo, p), (E, top_k, m, k) in EXPERTS.items()]
+    if dense:
+        out += [(f"{mo} {p}", (1, 1, m, k)) for (mo, p), (m, k) in DENSE.items()]
+    return [(name, q, shape) for name, shape in out for q in types
+            if (not models or name.split()[0] in models) and shape[3] % quant_type(q).block_values == 0]
+
+
+def run(tag: str, models, types, ns, dense) -> None:
+    import numpy as np
+
+    from moeforge.runtime import dispatch
+    from moeforge.runtime.dispatch import Choice
+    from moeforge.tuning.objective import Case, Settings, check, measure, preflight
+    from moeforge.tuning.space import TuneKey
+    sm = dispatch.device_sm_count()
+    wgmma = dispatch.wgmma_available()
+    for name, q, (E, top_k, m, k) in products(models, types, dense):
+        ids = E > 1
+        for n in ns:
+            key = TuneKey("mul_mat_id" if ids else "mul_mat", q, (E, top_k, m, k), n)
+            case = Case(key, Settings(), np.random.default_rng(1000 + n))   # the same inputs in both trees
+            spec = dispatch.mmf_rule_spec(q, n, ids, m, sm, n * top_k / E if ids else None, wgmma,
+                                          (E, top_k) if ids else None)
+            choice = Choice("mmf_id" if ids else "mmf", spec)
+            preflight(choice)
+            err = check(case, choice)
+            case.out.fill(float("nan"))
+            case.launch(choice, "random", 0)
+            digest = hashlib.sha256(case.out.get().tobytes()).hexdigest()[:16]
+            r = measure(case, choice)
+            print(json.dumps(dict(tag=tag, product=name, qtype=q, n=n, spec=spec.name, us=round(r["value"], 2),
+                                  hash=digest, nmse=err["nmse_emulated"])), flush=True)
+
+
+def table(rows: list[dict]) -> str:
+    tags = list(dict.fromkeys(r["tag"] for r in rows))
+    if len(tags) != 2:
+        raise ValueError(f"a table compares two tags, the runs hold {len(tags)}: {', '.join(tags)}")
+    runs = defaultdict(list)
+    for r in rows:
+        runs[(r["product"], r["qtype"], r["n"])].append(r)
+    a, b = tags
+    lines = [f"{'product':<28} {'type':<6} {'n':>5} {'tile':<34} {a + ' us':>16} {b + ' us':>16} "
+             f"{b + '/' + a:>9}  same"]
+    for (prod, q, n), rs in runs.items():
+        side = {t: [r for r in rs if r["tag"] == t] for t in tags}
+        if not side[a] or not side[b]:
+            lines.append(f"{prod:<28} {q:<6} {n:>5} (only {', '.join(t for t in tags if side[t])} ran)")
+            continue
+        best = {t: min(r["us"] for r in side[t]) for t in tags}
+        same = len({r["hash"] for r in rs}) == 1
+        lines.append(f"{prod:<28} {q:<6} {n:>5} {side[b][-1]['spec']:<34} "
+                     f"{'/'.join(str(r['us']) for r in side[a]):>16} {'/'.join(str(r['us']) for r in side[b]):>16} "
+                     f"{best[b] / best[a]:>9.3f}  {'yes' if same else 'NO'}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("tag")
+    r.add_argument("--models", default="qwen3-30b-a3b,gpt-oss-20b,deepseek-v2-lite")
+    r.add_argument("--types", default="q4_0")
+    r.add_argument("--n", default="1024,2048,4096")
+    r.add_argument("--dense", action="store_true")
+    t = sub.add_parser("table")
+    t.add_argument("jsonl")
+    a = ap.parse_args()
+    if a.mode == "run":
+        run(a.tag, a.models.split(","), a.types.split(","), [int(v) for v in a.n.split(",")], a.dense)
+    else:
+        print(table([json.loads(line) for line in open(a.jsonl) if line.strip()]))
+
+
+if __name__ == "__main__":
+    main()
