@@ -468,7 +468,8 @@ SHORT_STUDY_TRIALS = 8
 
 def outdated(found: Choice | None, default: Choice) -> bool:
     """A profile entry that kept the default of its day after a short study, where today's
-    default is another spec: it says nothing today's rules do not, and they are used. (The
+    default (what runs without the entry: _unprofiled) is another spec: it says nothing
+    today's rules do not, and they are used. (The
     shipped H200 profile's Qwen3 q8_0 entry at 2048 tokens kept x64 tiles after one trial,
     621.3 us; the rule's x32 tile takes 403.9, the f16 tile 367.8; q4_0's 398.4 against
     331.4.) An entry that found a faster spec stands, and so does a default that won a
@@ -488,12 +489,18 @@ def _without_f16(found: Choice | None) -> Choice | None:
     return None if found is not None and found.path in F16_PATHS else found
 
 
+def _unprofiled(default, f16: bool, rule) -> Choice:
+    """What runs where the profile has no entry: the f16 rule's tile where it applies,
+    else the default."""
+    return (rule() if f16 else None) or default()
+
+
 def _resolve(found: Choice | None, default, f16: bool, rule) -> Choice:
     """A product's choice from the profile's entry (found), today's default (default()) and
-    the f16 rule (rule(): mmf_choice, or None): an outdated entry counts for nothing; the
-    rule goes ahead of an entry whose study did not time the f16 tiles. The callables run
-    only where needed: this is on every eager product's path."""
-    if found is not None and found.kept_default and outdated(found, default()):
+    the f16 rule (rule(): mmf_choice, or None): an entry outdated against what runs without
+    it counts for nothing; the rule goes ahead of an entry whose study did not time the f16
+    tiles. The callables run only where needed: this is on every eager product's path."""
+    if found is not None and found.kept_default and outdated(found, _unprofiled(default, f16, rule)):
         found = None
     if not f16:
         found = _without_f16(found)
@@ -504,13 +511,23 @@ def _resolve(found: Choice | None, default, f16: bool, rule) -> Choice:
     return found if found is not None else default()
 
 
+def _rules_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int):
+    return (lambda: default_mul_mat_id(qtype, E, top_k, m, k, n),
+            lambda: mmf_choice(qtype, n, n * top_k / E, m, (E, top_k)))
+
+
 def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int, f16: bool = True) -> Choice:
     """f16 False (a tensor the f16 tiles cannot hold, QuantTensor.f16_fits): an int8 path,
     the profile's where it chose one, else the default."""
     from .profiles_hook import lookup
-    return _resolve(lookup("mul_mat_id", qtype, (E, top_k, m, k), n),
-                    lambda: default_mul_mat_id(qtype, E, top_k, m, k, n), f16,
-                    lambda: mmf_choice(qtype, n, n * top_k / E, m, (E, top_k)))
+    default, rule = _rules_mul_mat_id(qtype, E, top_k, m, k, n)
+    return _resolve(lookup("mul_mat_id", qtype, (E, top_k, m, k), n), default, f16, rule)
+
+
+def unprofiled_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
+    """What choose_mul_mat_id runs where no profile entry speaks: the tuner's baseline."""
+    default, rule = _rules_mul_mat_id(qtype, E, top_k, m, k, n)
+    return _unprofiled(default, True, rule)
 
 
 # Expert tiles of the mean routing fewer than this many an SM: MMQ-ID with stream-k. Below
@@ -540,10 +557,20 @@ def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -
     return Choice("mmq_id", spec)
 
 
+def _rules_mul_mat(qtype: str, m: int, k: int, n: int):
+    return lambda: default_mul_mat(qtype, m, k, n), lambda: mmf_choice(qtype, n, None, m)
+
+
 def choose_mul_mat(qtype: str, m: int, k: int, n: int, f16: bool = True) -> Choice:
     from .profiles_hook import lookup
-    return _resolve(lookup("mul_mat", qtype, (1, 1, m, k), n), lambda: default_mul_mat(qtype, m, k, n),
-                    f16, lambda: mmf_choice(qtype, n, None, m))
+    default, rule = _rules_mul_mat(qtype, m, k, n)
+    return _resolve(lookup("mul_mat", qtype, (1, 1, m, k), n), default, f16, rule)
+
+
+def unprofiled_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:
+    """What choose_mul_mat runs where no profile entry speaks: the tuner's baseline."""
+    default, rule = _rules_mul_mat(qtype, m, k, n)
+    return _unprofiled(default, True, rule)
 
 
 def default_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:

@@ -229,7 +229,7 @@ def build(key: TuneKey, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Space:
     # measurable; only an instance that cannot launch here is left out.
     default = default_choice(key)
     dparams = params_of(default)
-    default_smem = default.spec.smem_bytes() if isinstance(default.spec, MmqSpec) else 0
+    default_smem = default.spec.smem_bytes() if isinstance(default.spec, (MmqSpec, MmfSpec)) else 0
     if not any(params_of(c) == dparams for c in choices) and default_smem <= smem_limit:
         choices.append(Choice(default.path, default.spec, "tuned"))
         pruned = [(name, why) for name, why in pruned if not name.endswith(default.spec.name)]
@@ -239,7 +239,18 @@ def build(key: TuneKey, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Space:
 
 
 def default_choice(key: TuneKey) -> Choice:
-    """What dispatch runs without a profile: the baseline every study measures first."""
+    """What dispatch runs without a profile (the f16 rule's tile where it applies, else the
+    int8 or mat-vec default): the baseline every study measures first and a tuned entry's
+    speedup is of. (Until the eighteenth session the int8 default alone: on sm_90, where the
+    rule takes the wgmma tiles, a study's table compared the tuned tile with a path nothing
+    ran there: 1.68x on an H200.)"""
+    E, top_k, m, k = key.shape
+    if key.op == "mul_mat_id":
+        return dispatch.unprofiled_mul_mat_id(key.qtype, E, top_k, m, k, key.n)
+    return dispatch.unprofiled_mul_mat(key.qtype, m, k, key.n)
+
+
+def _int8_default(key: TuneKey) -> Choice:
     E, top_k, m, k = key.shape
     if key.op == "mul_mat_id":
         return dispatch.default_mul_mat_id(key.qtype, E, top_k, m, k, key.n)
@@ -266,10 +277,13 @@ def seeds(space: Space) -> list[Choice]:
     if held is not None and held.spec != default.spec and space.lookup(params_of(held)) is not None:
         out.append(held)
     k = space.key
+    base = _int8_default(k)
     for path in space.paths:
         if path == default.path:
             continue
-        if path == "mmvq":
+        if path == base.path:
+            spec = base.spec    # the default without the f16 rule (stream-k where it applies)
+        elif path == "mmvq":
             spec = dispatch.default_mmvq(k.qtype, k.n, ids=k.op == "mul_mat_id")
         elif path in F16_PATHS:
             ids = path == "mmf_id"

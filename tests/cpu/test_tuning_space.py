@@ -229,3 +229,33 @@ def test_the_wgmma_space_round_trips_and_holds_no_glu_tile(qtype, n, monkeypatch
     assert s.lookup(params_of(d)).spec == d.spec
     glu = dataclasses.replace(wg[0].spec, glu="silu")
     assert "glu tiles" in sp.path_allows(key.op, "mmf_id", glu, key.shape, n)
+
+
+@pytest.mark.parametrize("op,shape", [("mul_mat_id", QWEN), ("mul_mat", (1, 1, 4096, 2048))])
+def test_the_baseline_is_what_runs_without_a_profile(op, shape, monkeypatch):
+    """A study's default, enqueued first and the base of each tuned entry's speedup, is what
+    dispatch runs where the profile has no entry: on sm_90 past the f16 rule's threshold the
+    rule's wgmma tile (the int8 default, which nothing runs there, stays a seed of its own
+    path), below it the int8 default. It was the int8 default alone, and a study's table
+    gave the tuned tile's gain over a path nothing ran (1.68x on an H200)."""
+    from moeforge.runtime import profiles_hook
+    monkeypatch.setattr(dispatch, "wgmma_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_device_cc_major", lambda: 9)
+    monkeypatch.setattr(profiles_hook, "_lookup", None)
+    _, _, m, k = shape
+
+    def ran(n):
+        if op == "mul_mat_id":
+            return dispatch.choose_mul_mat_id("q4_0", *shape, n), dispatch.default_mul_mat_id("q4_0", *shape, n)
+        return dispatch.choose_mul_mat("q4_0", m, k, n), dispatch.default_mul_mat("q4_0", m, k, n)
+    for n in (64, 4096):
+        key = TuneKey(op, "q4_0", shape, n)
+        d, (runs, int8) = default_choice(key), ran(n)
+        assert (d.path, d.spec) == (runs.path, runs.spec)
+        got = seeds(build(key))
+        assert got[0].spec == d.spec, "the default is enqueued first"
+        assert any((c.path, c.spec) == (int8.path, int8.spec) for c in got), "the int8 default is still timed"
+        if n == 4096:
+            assert d.path in ("mmf", "mmf_id") and d.spec.wgmma and int8.path in ("mmq", "mmq_id")
+        else:
+            assert d.spec == int8.spec
