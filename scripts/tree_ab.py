@@ -5,10 +5,14 @@ skewed routing, weights rotated past the L2, CUDA graphs, events, median), with 
 output on seeded inputs: an edit that must not change a bit is shown not to, and its speed
 compared on one card in one call.
 
-    git archive OLD_REV | tar -x -C /tmp/old     # and the old package importable from /tmp
-    (cd /tmp && PYTHONPATH=OLD_PACKAGE python3 $TREE/scripts/tree_ab.py run old) >> ab.jsonl
+    python3 scripts/tree_ab.py prepare OLD_REV /tmp/old    # prints the PYTHONPATH of its package
+    (cd /tmp && PYTHONPATH=/tmp/old/pkg python3 $TREE/scripts/tree_ab.py run old) >> ab.jsonl
     python3 scripts/tree_ab.py run new >> ab.jsonl    # alternate old and new, twice or more
     python3 scripts/tree_ab.py table ab.jsonl
+
+`prepare REV DIR`: the tree at REV (git archive) in DIR/tree and its package importable from
+DIR/pkg, laid out by the tree's own pyproject package-dir (links, no install: the GPU
+machine has no index, and its pip cannot build a wheel there).
 
 `run TAG [--models ...] [--types ...] [--n ...] [--dense]` uses whichever moeforge is
 imported (this script from the new tree drives the old package too: it calls only
@@ -24,6 +28,28 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+
+def prepare(rev: str, where: str, repo: str = ".") -> Path:
+    import io
+    import subprocess
+    import tarfile
+    import tomllib
+    root = Path(where)
+    tree, pkg = root / "tree", root / "pkg"
+    tree.mkdir(parents=True, exist_ok=True)
+    data = subprocess.run(["git", "-C", repo, "archive", rev], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(tree, filter="data")
+    dirs = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    # the top package first, then its subpackages inside it, each a link to its folder
+    for name, src in sorted(dirs.items(), key=lambda kv: kv[0].count(".")):
+        dest = pkg.joinpath(*name.split("."))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.is_symlink() or dest.exists():
+            continue
+        dest.symlink_to((tree / src).resolve(), target_is_directory=True)
+    return pkg
 
 
 def products(models, types, dense):
@@ -99,8 +125,13 @@ def main() -> None:
     r.add_argument("--dense", action="store_true")
     t = sub.add_parser("table")
     t.add_argument("jsonl")
+    p = sub.add_parser("prepare")
+    p.add_argument("rev")
+    p.add_argument("dir")
     a = ap.parse_args()
-    if a.mode == "run":
+    if a.mode == "prepare":
+        print(prepare(a.rev, a.dir))
+    elif a.mode == "run":
         run(a.tag, a.models.split(","), a.types.split(","), [int(v) for v in a.n.split(",")], a.dense)
     else:
         print(table([json.loads(line) for line in open(a.jsonl) if line.strip()]))

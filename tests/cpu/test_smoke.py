@@ -130,3 +130,25 @@ def test_tree_ab_compares_the_fastest_runs_and_flags_any_changed_bit():
     assert "only old ran" in ab.table(rows + [row("old", 4096, 1.0, "d")]).splitlines()[-1]
     with pytest.raises(ValueError, match="two tags"):
         ab.table(rows + [row("newer", 1024, 1.0, "a")])
+
+
+def test_tree_ab_prepares_a_revision_importable_without_an_install(tmp_path):
+    """scripts/tree_ab.py prepare: the tree at a revision, its package laid out by its own
+    pyproject (links, no pip), imported from that folder ahead of the installed one, and
+    rendering from its own templates."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("tree_ab", repo / "scripts" / "tree_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    pkg = ab.prepare("HEAD", str(tmp_path / "old"), repo=str(repo))
+    assert ab.prepare("HEAD", str(tmp_path / "old"), repo=str(repo)) == pkg    # again: nothing to redo
+    code = ("import moeforge.codegen.render as r, moeforge.codegen.spec as s, moeforge.runtime.dispatch as d;"
+            "print(r.__file__); print(d.__file__); print(len(r.render(s.UtilSpec())))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(pkg), "PATH": "/usr/bin:/bin"}).stdout.split()
+    assert all(pathlib.Path(p).resolve().is_relative_to((tmp_path / "old" / "tree").resolve()) for p in out[:2])
+    assert int(out[2]) > 1000
