@@ -513,6 +513,10 @@ def test_glu_tiles_are_named_expert_wgmma_instances_with_room_for_their_epilogue
     assert silu.epilogue_smem_bytes() == 256 * 2 * 64 * 4 + 128 * 4 + 256 * 4
     assert base.epilogue_smem_bytes() == 256 * 2 * 64 * 4 + 128 * 4
     assert dataclasses.replace(base, ids=False).epilogue_smem_bytes() == 0    # stores from registers
+    small = dataclasses.replace(base, kblocks=2)    # stages of 98304 bytes
+    with pytest.raises(ValueError, match="epilogue needs 131584 bytes"):
+        small.check()
+    dataclasses.replace(small, ids=False).check()
     for q in MmfSpec.QTYPES:
         glu = mmf_glu_specs(quant_type(q))
         assert sorted((s.y, s.glu) for s in glu) == [(128, "silu"), (128, "swiglu_oai"), (256, "silu"),
