@@ -12,7 +12,9 @@ compared on one card in one call.
 
 `prepare REV DIR`: the tree at REV (git archive) in DIR/tree and its package importable from
 DIR/pkg, laid out by the tree's own pyproject package-dir (links, no install: the GPU
-machine has no index, and its pip cannot build a wheel there).
+machine has no index, and its pip cannot build a wheel there). REV may be a folder holding
+a tree already (the device's copy of the checkout has no git history: archive the old
+revision here into a carried folder, then prepare from that folder there).
 
 `run TAG [--models ...] [--types ...] [--n ...] [--dense]` uses whichever moeforge is
 imported (this script from the new tree drives the old package too: it calls only
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -37,18 +40,24 @@ def prepare(rev: str, where: str, repo: str = ".") -> Path:
     import tomllib
     root = Path(where)
     tree, pkg = root / "tree", root / "pkg"
-    tree.mkdir(parents=True, exist_ok=True)
-    data = subprocess.run(["git", "-C", repo, "archive", rev], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(tree, filter="data")
+    if (Path(rev) / "pyproject.toml").is_file():
+        tree = Path(rev)
+    else:
+        tree.mkdir(parents=True, exist_ok=True)
+        data = subprocess.run(["git", "-C", repo, "archive", rev], check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tree, filter="data")
     dirs = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    # the top package first, then its subpackages inside it, each a link to its folder
+    # the top package first, then its subpackages inside it (that is, inside the tree's top
+    # package folder), each a relative link to its folder: carried elsewhere, they still hold
     for name, src in sorted(dirs.items(), key=lambda kv: kv[0].count(".")):
         dest = pkg.joinpath(*name.split("."))
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if dest.is_symlink() or dest.exists():
+        if dest.is_symlink() and not dest.exists():
+            dest.unlink()               # a link made where the tree was before
+        if dest.exists():
             continue
-        dest.symlink_to((tree / src).resolve(), target_is_directory=True)
+        dest.symlink_to(os.path.relpath((tree / src).resolve(), dest.parent.resolve()), target_is_directory=True)
     return pkg
 
 

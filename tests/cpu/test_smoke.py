@@ -152,3 +152,13 @@ def test_tree_ab_prepares_a_revision_importable_without_an_install(tmp_path):
                          env={"PYTHONPATH": str(pkg), "PATH": "/usr/bin:/bin"}).stdout.split()
     assert all(pathlib.Path(p).resolve().is_relative_to((tmp_path / "old" / "tree").resolve()) for p in out[:2])
     assert int(out[2]) > 1000
+    # a folder holding a tree (the device's copy has no git history): laid out from there
+    again = ab.prepare(str(tmp_path / "old" / "tree"), str(tmp_path / "there"))
+    assert (again / "moeforge" / "codegen").resolve() == (tmp_path / "old" / "tree" / "codegen").resolve()
+    assert not (tmp_path / "there" / "tree").exists()
+    # the links are relative: the tree and its layout moved together still import
+    moved = tmp_path / "moved"
+    (tmp_path / "old").rename(moved)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(moved / "pkg"), "PATH": "/usr/bin:/bin"}).stdout.split()
+    assert pathlib.Path(out[0]).resolve().is_relative_to((moved / "tree").resolve())
