@@ -293,12 +293,21 @@ MMF_TYPES = MmfSpec.QTYPES
 # rows from registers"). The 256-row tile halves x's traffic a weight but has half the
 # blocks: it goes where its mean-routing tiles fill MMF_WGMMA_Y256_MIN_WAVES waves
 # (Mixtral's down at 2048 tokens, 4 waves: 1746 against the 128-row tile's 1550 us; its
-# gate/up at 27 waves 3270 against 3364, both through shared memory). The super-block
+# gate/up at 27 waves 3270 against 3364, both through shared memory). Since the expert
+# tiles' epilogue went through shared memory (8d956dd) the 256-row tile wins from 4 waves:
+# H200, q4_0, the rule's tile at 8 waves against 4 (scripts/tree_ab.py, alternating
+# processes, bit-identical outputs), Qwen3-30B-A3B's down n=1024 / 2048 (7.8 waves) 197.0
+# -> 165.2 / 271.8 -> 235.4 us, its gate|up (5.8) 307.2 -> 277.8 / 421.4 -> 380.4,
+# DeepSeek-V2-Lite's down n=2048 (7.8) 267.2 -> 243.9, gate|up n=1024 (5.3) 314.9 ->
+# 282.8, gpt-oss-20b's down n=2048 (5.8) 448.5 -> 424.8, gate|up n=1024 (5.6) 584.4 ->
+# 523.6; synthetic Qwen3-30B-A3B q4_0 pp2048 33905-33914 -> 36880-36972 t/s. At 4096
+# tokens the 128-row tile lost everywhere (0.86-0.95x). Under 4 waves nothing measured
+# since (Mixtral's down at 3.9 waves kept the 128-row tile, above). The super-block
 # formats (q4_K, q5_K, iq4_xs: stages of half of one, MmfSpec.part_super) take them in
 # place of their own expert tile (MMF_EXPERT_TILE_OF) from MMF_WGMMA_MIN_TOKENS_PER_EXPERT
 # too (BENCHMARKS.md "wgmma for the super-block formats").
 WGMMA = True     # off: the mma.sync tiles everywhere (as MOEFORGE_WGMMA=0; scripts/dispatch_ab.py's switch)
-MMF_WGMMA_Y256_MIN_WAVES = 8
+MMF_WGMMA_Y256_MIN_WAVES = 4
 # With them the f16 tiles win from 64 tokens an expert for every format that has them.
 # H200, the int8 default (the super-block formats' own f16 tile from 128) against the
 # wgmma tile at 64 an expert: q4_0 Mixtral-8x7B's gate/up and down 0.92x and 0.86x,

@@ -53,11 +53,12 @@ def prepare(rev: str, where: str, repo: str = ".") -> Path:
     for name, src in sorted(dirs.items(), key=lambda kv: kv[0].count(".")):
         dest = pkg.joinpath(*name.split("."))
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if dest.is_symlink() and not dest.exists():
-            dest.unlink()               # a link made where the tree was before
+        target = os.path.relpath((tree / src).resolve(), dest.parent.resolve())
+        if dest.is_symlink() and os.readlink(dest) != target:
+            dest.unlink()               # a link to another tree (DIR reused), or to where this one was
         if dest.exists():
             continue
-        dest.symlink_to(os.path.relpath((tree / src).resolve(), dest.parent.resolve()), target_is_directory=True)
+        dest.symlink_to(target, target_is_directory=True)
     return pkg
 
 
@@ -117,7 +118,9 @@ def table(rows: list[dict]) -> str:
             continue
         best = {t: min(r["us"] for r in side[t]) for t in tags}
         same = len({r["hash"] for r in rs}) == 1
-        lines.append(f"{prod:<28} {q:<6} {n:>5} {side[b][-1]['spec']:<34} "
+        # a tree whose rule picks another tile: both, the baseline's first
+        tile = " -> ".join(dict.fromkeys(side[t][-1]["spec"] for t in tags))
+        lines.append(f"{prod:<28} {q:<6} {n:>5} {tile:<34} "
                      f"{'/'.join(str(r['us']) for r in side[a]):>16} {'/'.join(str(r['us']) for r in side[b]):>16} "
                      f"{best[b] / best[a]:>9.3f}  {'yes' if same else 'NO'}")
     return "\n".join(lines)

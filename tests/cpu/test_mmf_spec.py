@@ -268,8 +268,9 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     assert dispatch.choose_mul_mat_id("q4_0", 128, 8, 768, 2048, 2048).path != "mmf_id"
     monkeypatch.setattr(dispatch, "WGMMA", True)
     # q8_0, q4_K and iq4_xs from 64 tokens an expert, on the wgmma tiles: the 256-row one
-    # where its tiles fill 8 waves of the 64 SMs set above (768 tiles at 4096 tokens, 384 at
-    # 2048); the super-block formats' stages hold half of one
+    # where its tiles fill 4 waves of an H200's 132 SMs (768 tiles at 4096 tokens, 384 at
+    # 2048 and 1024); the super-block formats' stages hold half of one
+    monkeypatch.setattr(dispatch, "device_sm_count", lambda: 132)
     for qtype in ("q8_0", "q4_K", "iq4_xs"):
         tiles = [dispatch.choose_mul_mat_id(qtype, 128, 8, 768, 2048, n) for n in (512, 1024, 2048, 4096, 16384)]
         assert [c.path for c in tiles] == ["mmq_id"] + ["mmf_id"] * 4
@@ -302,8 +303,12 @@ def test_rule_applies_on_hopper_past_its_thresholds(monkeypatch):
     assert dense.spec.wgmma and (dense.spec.y, dense.spec.warps) == (128, 8)
     assert not dispatch.choose_mul_mat("q4_0", 2048, 4096, 512).spec.wgmma
     gate = dispatch.choose_mul_mat_id("q4_0", 8, 2, 28672, 4096, 2048)   # Mixtral's: 3584 tiles of 256 rows
-    down = dispatch.choose_mul_mat_id("q4_0", 8, 2, 4096, 14336, 2048)   # 512: under 8 waves
+    down = dispatch.choose_mul_mat_id("q4_0", 8, 2, 4096, 14336, 2048)   # 512: under 4 waves
     assert gate.spec.wgmma and gate.spec.y == 256 and down.spec.wgmma and down.spec.y == 128
+    # Qwen3-30B-A3B's down at 1024 and 2048 tokens: 1024 tiles of 256 rows, 7.8 waves
+    assert [dispatch.choose_mul_mat_id("q4_0", 128, 8, 2048, 768, n).spec.y for n in (1024, 2048)] == [256, 256]
+    # gpt-oss-20b's down at 1024 tokens: 384 tiles, 2.9 waves; at 2048 5.8
+    assert [dispatch.choose_mul_mat_id("q4_0", 32, 4, 2880, 2880, n).spec.y for n in (1024, 2048)] == [128, 256]
     monkeypatch.setenv("MOEFORGE_WGMMA", "0")
     assert dispatch.choose_mul_mat_id("q4_0", 8, 2, 28672, 4096, 2048).spec == \
         MmfSpec("q4_0", *dispatch.MMF_WIDE_TILE, ids=True)

@@ -127,6 +127,9 @@ def test_tree_ab_compares_the_fastest_runs_and_flags_any_changed_bit():
     assert "new/old" in lines[0]
     assert lines[1].split()[-2:] == ["0.900", "yes"] and "200.0/210.0" in lines[1]
     assert lines[2].split()[-2:] == [f"{290 / 300:.3f}", "NO"]
+    other = dict(row("new", 4096, 150.0, "e"), spec="mmf_id-q4_0-x128y256w8k4s3-wg")
+    assert "x128y128w8k4s5-wg -> mmf_id-q4_0-x128y256" in \
+        ab.table(rows + [row("old", 4096, 160.0, "e"), other]).splitlines()[-1]
     assert "only old ran" in ab.table(rows + [row("old", 4096, 1.0, "d")]).splitlines()[-1]
     with pytest.raises(ValueError, match="two tags"):
         ab.table(rows + [row("newer", 1024, 1.0, "a")])
@@ -156,6 +159,13 @@ def test_tree_ab_prepares_a_revision_importable_without_an_install(tmp_path):
     again = ab.prepare(str(tmp_path / "old" / "tree"), str(tmp_path / "there"))
     assert (again / "moeforge" / "codegen").resolve() == (tmp_path / "old" / "tree" / "codegen").resolve()
     assert not (tmp_path / "there" / "tree").exists()
+    # the same DIR laid out again from another tree: its links follow (a warm device's /tmp
+    # kept the first tree's links, and that tree ran as the second)
+    import shutil
+    shutil.copytree(tmp_path / "old" / "tree", tmp_path / "other", symlinks=True)
+    again = ab.prepare(str(tmp_path / "other"), str(tmp_path / "there"))
+    assert (again / "moeforge").resolve() == (tmp_path / "other" / "moeforge").resolve()
+    assert (again / "moeforge" / "runtime").resolve() == (tmp_path / "other" / "runtime").resolve()
     # the links are relative: the tree and its layout moved together still import
     moved = tmp_path / "moved"
     (tmp_path / "old").rename(moved)
