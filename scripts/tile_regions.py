@@ -54,9 +54,14 @@ def _num(text: str) -> float:
         return 0.0
 
 
+HOT = 6     # instructions listed a region
+
+
 def regions(lines) -> list[dict]:
     """The SASS export's rows as prologue, main loop and epilogue: instructions, share of
-    the stall samples, executions and the top stall reasons (shares of the region's)."""
+    the stall samples, executions, the top stall reasons (shares of the region's) and the
+    HOT instructions with the most samples (address, SASS, share of all samples, their top
+    reason)."""
     rows = [r for r in csv.reader(lines) if r]
     head = next((i for i, r in enumerate(rows) if "Address" in r and "Source" in r), None)
     if head is None:
@@ -81,9 +86,17 @@ def regions(lines) -> list[dict]:
         got = sum(samples[a:b])
         why = {s[6:]: sum(_num(r[cols[s]]) for r in data[a:b]) for s in stalls}
         top = sorted(why.items(), key=lambda kv: -kv[1])[:4]
+        # the instructions that hold most of the region's samples: which wait it is (the
+        # MMAs', a barrier's, a copy's, a shared-memory load's) and why
+        hot = []
+        for i in sorted(range(a, b), key=lambda i: -samples[i])[:HOT]:
+            if samples[i] <= 0:
+                break
+            reason = max(stalls, key=lambda s: _num(data[i][cols[s]]), default=None)
+            hot.append((f"{addr[i]:#x}", src[i], samples[i] / total, reason[6:] if reason else ""))
         out.append(dict(region=name, instructions=b - a, share=got / total,
                         executed=sum(_num(r[cols["Instructions Executed"]]) for r in data[a:b]),
-                        stalls=[(s, v / got if got else 0.0) for s, v in top]))
+                        stalls=[(s, v / got if got else 0.0) for s, v in top], hot=hot))
     return out
 
 
@@ -93,6 +106,8 @@ def format_table(rows: list[dict]) -> str:
         why = ", ".join(f"{s} {100 * v:.0f}%" for s, v in r["stalls"] if v > 0)
         lines.append(f"{r['region']:<10} {r['instructions']:>6} {100 * r['share']:>7.1f}% "
                      f"{r['executed']:>10.3g}  {why}")
+        for address, sass, share, reason in r.get("hot", []):
+            lines.append(f"  {address:>8} {100 * share:>5.1f}% {reason:<14} {sass[:72]}")
     return "\n".join(lines)
 
 

@@ -16,11 +16,13 @@ machine has no index, and its pip cannot build a wheel there). REV may be a fold
 a tree already (the device's copy of the checkout has no git history: archive the old
 revision here into a carried folder, then prepare from that folder there).
 
-`run TAG [--models ...] [--types ...] [--n ...] [--dense]` uses whichever moeforge is
-imported (this script from the new tree drives the old package too: it calls only
+`run TAG [--models ...] [--types ...] [--n ...] [--dense] [--set NAME=VALUE]` uses
+whichever moeforge is imported (this script from the new tree drives the old package too: it calls only
 dispatch.mmf_rule_spec and tuning.objective). Products: scripts/product_ab.py's EXPERTS
 (and DENSE with --dense). `table` compares the fastest run of each tag, the first tag seen
-being the baseline; `same` says whether every run's output hash agreed.
+being the baseline; `same` says whether every run's output hash agreed. `--set` changes a
+constant of runtime.dispatch for the run: a rule's A/B inside one tree (two tags, one with
+the setting).
 """
 from __future__ import annotations
 
@@ -74,13 +76,30 @@ def products(models, types, dense):
             if (not models or name.split()[0] in models) and shape[3] % quant_type(q).block_values == 0]
 
 
-def run(tag: str, models, types, ns, dense) -> None:
+def apply_settings(settings) -> dict:
+    """NAME=VALUE settings of runtime.dispatch constants (a rule's A/B inside one tree, as
+    scripts/dispatch_ab.py does for a model): set, and returned as they were before."""
+    import ast
+
+    from moeforge.runtime import dispatch
+    before = {}
+    for setting in settings:
+        name, sep, value = setting.partition("=")
+        if not sep or not hasattr(dispatch, name) or not name.isupper():
+            raise SystemExit(f"--set {setting}: NAME=VALUE, NAME a constant of moeforge.runtime.dispatch")
+        before[name] = getattr(dispatch, name)
+        setattr(dispatch, name, ast.literal_eval(value))
+    return before
+
+
+def run(tag: str, models, types, ns, dense, settings=()) -> None:
     import numpy as np
 
     from moeforge.runtime import dispatch
     from moeforge.runtime.dispatch import Choice
     from moeforge.tuning.objective import Case, Settings, check, measure, preflight
     from moeforge.tuning.space import TuneKey
+    apply_settings(settings)
     sm = dispatch.device_sm_count()
     wgmma = dispatch.wgmma_available()
     for name, q, (E, top_k, m, k) in products(models, types, dense):
@@ -135,6 +154,8 @@ def main() -> None:
     r.add_argument("--types", default="q4_0")
     r.add_argument("--n", default="1024,2048,4096")
     r.add_argument("--dense", action="store_true")
+    r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a runtime.dispatch constant for this run (repeatable): one tree, two settings")
     t = sub.add_parser("table")
     t.add_argument("jsonl")
     p = sub.add_parser("prepare")
@@ -144,7 +165,7 @@ def main() -> None:
     if a.mode == "prepare":
         print(prepare(a.rev, a.dir))
     elif a.mode == "run":
-        run(a.tag, a.models.split(","), a.types.split(","), [int(v) for v in a.n.split(",")], a.dense)
+        run(a.tag, a.models.split(","), a.types.split(","), [int(v) for v in a.n.split(",")], a.dense, a.set)
     else:
         print(table([json.loads(line) for line in open(a.jsonl) if line.strip()]))
 

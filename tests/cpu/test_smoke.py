@@ -91,8 +91,13 @@ def test_tile_regions_splits_a_sass_export_at_the_main_loop():
     assert abs(pro["share"] - 40 / 3000) < 1e-12 and abs(loop["share"] - 1140 / 3000) < 1e-12
     assert abs(epi["share"] - 1820 / 3000) < 1e-12 and epi["executed"] == 16
     assert epi["stalls"][0] == ("long_sb", 1800 / 1820) and loop["stalls"][0] == ("wait", 1040 / 1140)
+    assert loop["hot"][0] == ("0x130", sass[3][0], 1000 / 3000, "wait")     # the MMA's wait first
+    assert [h[0] for h in loop["hot"]] == ["0x130", "0x120", "0x140"] and epi["hot"][0][3] == "long_sb"
     text = tr.format_table([pro, loop, epi])
-    assert text.splitlines()[3].startswith("epilogue") and "long_sb 99%" in text
+    lines = text.splitlines()
+    assert next(x for x in lines if x.startswith("epilogue")) and "long_sb 99%" in text
+    assert lines[lines.index(next(x for x in lines if x.startswith("main loop"))) + 1].split()[:3] == \
+        ["0x130", "33.3%", "wait"]
     with pytest.raises(ValueError, match="no MMA"):
         tr.regions(export([s for s in sass if "HGMMA" not in s[0]]))
     with pytest.raises(ValueError, match="no backward branch"):
@@ -130,6 +135,17 @@ def test_tree_ab_compares_the_fastest_runs_and_flags_any_changed_bit():
     other = dict(row("new", 4096, 150.0, "e"), spec="mmf_id-q4_0-x128y256w8k4s3-wg")
     assert "x128y128w8k4s5-wg -> mmf_id-q4_0-x128y256" in \
         ab.table(rows + [row("old", 4096, 160.0, "e"), other]).splitlines()[-1]
+    # --set: a dispatch constant for the run, the value before given back; a name that is
+    # not one is refused by name
+    from moeforge.runtime import dispatch
+    before = ab.apply_settings(["MMF_WGMMA_Y256_MIN_WAVES=2"])
+    try:
+        assert dispatch.MMF_WGMMA_Y256_MIN_WAVES == 2 and before["MMF_WGMMA_Y256_MIN_WAVES"] != 2
+    finally:
+        dispatch.MMF_WGMMA_Y256_MIN_WAVES = before["MMF_WGMMA_Y256_MIN_WAVES"]
+    for bad in ("MMF_WGMMA_Y256_MIN_WAVE=2", "MMF_WGMMA_Y256_MIN_WAVES", "mmf_rule_spec=1"):
+        with pytest.raises(SystemExit, match="--set"):
+            ab.apply_settings([bad])
     assert "only old ran" in ab.table(rows + [row("old", 4096, 1.0, "d")]).splitlines()[-1]
     with pytest.raises(ValueError, match="two tags"):
         ab.table(rows + [row("newer", 1024, 1.0, "a")])
