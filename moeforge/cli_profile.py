@@ -106,25 +106,47 @@ def _show(args, pdir: Path) -> int:
         print(f"  {k}: {v}")
     print(f"\n{'op':<10} {'type':<5} {'E,top_k,m,k':<18} {'n':>5} {'path':<10} {'us':>9} {'default':>9} "
           f"{'speedup':>7}  spec")
-    from .runtime.dispatch import outdated
+    from .runtime import dispatch
     from .tuning.space import default_choice
     usable, stale = p.with_current_kernels(templates_hash())
-    old = 0
-    for key in sorted(p.entries):
-        e = p.entries[key]
-        mark = "" if key in usable.entries else "  (kernel changed since: not used)"
-        if not mark and outdated(e.choice(), default_choice(key)):
-            t, old = e.extra["trials"], old + 1
-            mark = f"  (kept an older default after {t} trial{'s' if t != 1 else ''}: today's default runs)"
-        print(f"{key.op:<10} {key.qtype:<5} {','.join(map(str, key.shape)):<18} {key.n:>5} {e.path:<10} "
-              f"{e.us:>9.2f} {e.default_us:>9.2f} {e.speedup:>6.2f}x  {e.spec.name}{mark}")
+    old = ruled = 0
+    # what each entry runs on the card the profile names, not on this machine
+    cc, sm_count = _card(p.fingerprint)
+    with dispatch.on_card(cc, sm_count):
+        for key in sorted(p.entries):
+            e = p.entries[key]
+            mark = "" if key in usable.entries else "  (kernel changed since: not used)"
+            runs = dispatch.resolve(key.op, key.qtype, key.shape, key.n, e.choice()) if not mark else None
+            if runs is None or runs.spec == e.spec:
+                pass
+            elif dispatch.outdated(e.choice(), default_choice(key)):
+                t, old = e.extra["trials"], old + 1
+                mark = f"  (kept an older default after {t} trial{'s' if t != 1 else ''}: today's default runs)"
+            else:
+                ruled += 1
+                timed = "the wgmma tiles" if cc == 9 and {"mmf", "mmf_id"} & set(e.choice().paths) else "the f16 tiles"
+                mark = f"  (its study did not time {timed}: the rule's {runs.spec.name} runs)"
+            print(f"{key.op:<10} {key.qtype:<5} {','.join(map(str, key.shape)):<18} {key.n:>5} {e.path:<10} "
+                  f"{e.us:>9.2f} {e.default_us:>9.2f} {e.speedup:>6.2f}x  {e.spec.name}{mark}")
     if stale:
         print(f"\n{stale} of {len(p.entries)} entries were timed on kernels whose source has changed; "
               f"this moeforge runs the defaults there until they are tuned again (`moeforge tune --stale`)")
     if old:
         print(f"\n{old} of {len(p.entries)} entries kept a default that has changed since, after a short study; "
               f"today's default runs there until `moeforge tune --stale` re-tunes them")
+    if ruled:
+        print(f"\n{ruled} of {len(p.entries)} entries were tuned before the f16 tiles their card runs now were "
+              f"timed: the rule's tile runs there until a study that times them (`moeforge tune`) replaces them")
     return 0
+
+
+def _card(fp: dict) -> tuple[int | None, int]:
+    """A fingerprint's compute capability major and SM count (what the rules ask of a card)."""
+    try:
+        cc = int(str(fp.get("cc", "")).split(".")[0])
+    except ValueError:
+        cc = None
+    return cc, int(fp.get("sm_count") or 132)
 
 
 def _export(args, pdir: Path) -> int:

@@ -10,6 +10,7 @@ A choice is a path and a spec:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass, replace
@@ -336,6 +337,20 @@ def device_sm_count() -> int:
     return device_info(cp.cuda.Device().id)["sm_count"]
 
 
+@contextlib.contextmanager
+def on_card(cc_major: int | None, sm_count: int):
+    """The rules as they answer on another card (its compute capability's major and its
+    SMs), asked on any machine: what a profile's entries run on the card it was made on
+    (`moeforge profile show`). Not for a process that launches kernels meanwhile."""
+    global _device_cc_major, device_sm_count
+    saved = _device_cc_major, device_sm_count
+    _device_cc_major, device_sm_count = (lambda: cc_major), (lambda: sm_count)
+    try:
+        yield
+    finally:
+        _device_cc_major, device_sm_count = saved
+
+
 def mmf_dense_splits(n: int, m: int, sm_count: int) -> int:
     """Blocks sharing each wide tile's k, so that a dense product fills two blocks an SM:
     with fewer tiles than that the blocks are few and long, and latency-bound (ncu, H100,
@@ -518,6 +533,16 @@ def _resolve(found: Choice | None, default, f16: bool, rule) -> Choice:
         if chosen is not None:
             return chosen
     return found if found is not None else default()
+
+
+def resolve(op: str, qtype: str, shape: tuple[int, int, int, int], n: int, found: Choice | None) -> Choice:
+    """What runs for a product (op "mul_mat_id" or "mul_mat", shape (E, top_k, m, k)) where
+    the profile's entry is found (None: no entry): choose_mul_mat_id's and choose_mul_mat's
+    answer for a tensor the f16 tiles can hold, without their lookup."""
+    E, top_k, m, k = shape
+    default, rule = _rules_mul_mat_id(qtype, E, top_k, m, k, n) if op == "mul_mat_id" else \
+        _rules_mul_mat(qtype, m, k, n)
+    return _resolve(found, default, True, rule)
 
 
 def _rules_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int):

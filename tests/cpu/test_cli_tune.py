@@ -186,6 +186,34 @@ def test_profile_show_marks_an_outdated_kept_default(no_gpu, capsys, tmp_path):
     assert "older default" not in lines[1]
 
 
+def test_profile_show_says_what_runs_on_the_profiles_card(no_gpu, capsys, tmp_path):
+    """An entry tuned before the wgmma tiles existed: on the sm_90 card its profile names the
+    rule's wgmma tile runs in its place, and show says so (asked on a machine without a
+    GPU); on an sm_89 card the same entry runs as it is. Entries whose study timed them stand."""
+    from moeforge.codegen.render import templates_hash
+    from moeforge.codegen.spec import MmfSpec
+    from moeforge.runtime import dispatch
+    shape = (32, 4, 2880, 2880)
+    old = MmfSpec("mxfp4", 128, 128, 4, 4, 2, ids=True)
+    wide = MmfSpec("mxfp4", 128, 256, 8, 4, 3, ids=True, wgmma=True)
+    for cc, marked in (("9.0", True), ("8.9", False)):
+        p = pm.Profile(fake_fp(templates=templates_hash(), cc=cc))
+        p.put(pm.Entry(TuneKey("mul_mat_id", "mxfp4", shape, 2048), "mmf_id", old, 794.1, 1128.0,
+                       {"default_spec": "mmq_id-mxfp4-x64y128w4k8s2", "trials": 6, "paths": ["mmq_id", "mmf_id"]}))
+        p.put(pm.Entry(TuneKey("mul_mat_id", "mxfp4", shape, 4096), "mmf_id", wide, 1400.0, 1464.9,
+                       {"default_spec": wide.name, "trials": 9, "paths": ["mmq_id", "mmf_id"], "wgmma": True}))
+        path = tmp_path / f"p{cc}.yaml"
+        pm.save(p, path)
+        assert main(["profile", "show", str(path)]) == 0
+        out = capsys.readouterr().out
+        lines = [ln for ln in out.splitlines() if ln.startswith("mul_mat_id")]
+        assert ("its study did not time the wgmma tiles: the rule's "
+                "mmf_id-mxfp4-x128y256w8k4s3-wg runs") in lines[0] if marked else "runs)" not in lines[0]
+        assert "runs)" not in lines[1]                         # timed the wgmma tiles: it stands
+        assert ("1 of 2 entries were tuned before the f16 tiles" in out) == marked
+    assert dispatch.device_sm_count() == 132 and dispatch._device_cc_major() is None   # this machine's again
+
+
 def test_profile_import_validates(no_gpu, capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     d = yaml.safe_load(pm.dump(make_profile()))
