@@ -107,16 +107,17 @@ def _show(args, pdir: Path) -> int:
     print(f"\n{'op':<10} {'type':<5} {'E,top_k,m,k':<18} {'n':>5} {'path':<10} {'us':>9} {'default':>9} "
           f"{'speedup':>7}  spec")
     from .runtime import dispatch
+    from .tuning.fingerprint import card
     from .tuning.space import default_choice
     usable, stale = p.with_current_kernels(templates_hash())
     old = ruled = 0
     # what each entry runs on the card the profile names, not on this machine
-    cc, sm_count = _card(p.fingerprint)
+    cc, sm_count = card(p.fingerprint)
     with dispatch.on_card(cc, sm_count):
         for key in sorted(p.entries):
             e = p.entries[key]
             mark = "" if key in usable.entries else "  (kernel changed since: not used)"
-            runs = dispatch.resolve(key.op, key.qtype, key.shape, key.n, e.choice()) if not mark else None
+            runs = e.runs() if not mark else None
             if runs is None or runs.spec == e.spec:
                 pass
             elif dispatch.outdated(e.choice(), default_choice(key)):
@@ -136,17 +137,8 @@ def _show(args, pdir: Path) -> int:
               f"today's default runs there until `moeforge tune --stale` re-tunes them")
     if ruled:
         print(f"\n{ruled} of {len(p.entries)} entries were tuned before the f16 tiles their card runs now were "
-              f"timed: the rule's tile runs there until a study that times them (`moeforge tune`) replaces them")
+              f"timed: the rule's tile runs there until `moeforge tune --stale` re-tunes them")
     return 0
-
-
-def _card(fp: dict) -> tuple[int | None, int]:
-    """A fingerprint's compute capability major and SM count (what the rules ask of a card)."""
-    try:
-        cc = int(str(fp.get("cc", "")).split(".")[0])
-    except ValueError:
-        cc = None
-    return cc, int(fp.get("sm_count") or 132)
 
 
 def _export(args, pdir: Path) -> int:

@@ -259,8 +259,9 @@ def add_commands(sub) -> None:
                           "default: those three)")
     src.add_argument("--stale", action="store_true",
                      help="re-tune the buckets of this GPU's profile whose kernels have changed since they "
-                          "were timed (after a template edit), or whose short study kept a default that has "
-                          "changed since, and merge them in")
+                          "were timed (after a template edit), or where something else runs in the entry's "
+                          "place (a short study's default that has changed since, f16 tiles its study did not "
+                          "time), and merge them in")
     t.add_argument("--types", default=None, help="quant types, comma separated (default: q4_0,q8_0)")
     t.add_argument("--op", choices=("mul_mat_id", "mul_mat"), default="mul_mat_id",
                    help="mul_mat_id: expert products; mul_mat: dense (with --model, its own projections)")

@@ -31,6 +31,16 @@ HARD = ("gpu", "cc", "sm_count", "memory_gib", "moeforge")
 PER_ENTRY = ("templates",)
 
 
+def card(fp: dict) -> tuple[int | None, int]:
+    """What the rules ask of the card a fingerprint names (runtime.dispatch.on_card): its
+    compute capability's major and its SM count."""
+    try:
+        cc = int(str(fp.get("cc", "")).split(".")[0])
+    except ValueError:
+        cc = None
+    return cc, int(fp.get("sm_count") or 1)
+
+
 def current(device: int | None = None) -> dict:
     """The running device's fingerprint (needs a GPU)."""
     from .. import __version__

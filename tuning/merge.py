@@ -62,17 +62,20 @@ def base_profile(fp: dict, path: Path, warn) -> Profile:
 def stale_keys(fp: dict, profile_dir, warn) -> tuple[Path | None, list]:
     """The buckets of this fingerprint's profile that the runtime does not take as they are
     (what `moeforge tune --stale` re-tunes): those whose kernels have changed since they were
-    timed, and those whose short study kept a default that is no longer today's
-    (dispatch.outdated). Returns them and the profile they come from."""
-    from ..runtime.dispatch import outdated
-    from .space import default_choice
+    timed, and those where something else runs in the entry's place on the fingerprint's
+    card (Entry.runs): a short study's kept default that is no longer today's
+    (dispatch.outdated), a study that did not time the f16 tiles the rules take there.
+    Returns them and the profile they come from."""
+    from ..runtime import dispatch
+    from .fingerprint import card
     path = Path(profile_dir) / file_name(fp)
     src = _source(path, warn, set_aside=False)
     if src is None:
         return None, []
     kept, _ = src.with_current_kernels(fp["templates"])
-    old = {k for k, e in kept.entries.items() if outdated(e.choice(), default_choice(k))}
-    return Path(src.source), sorted(set(src.entries) - set(kept.entries) | old)
+    with dispatch.on_card(*card(fp)):
+        replaced = {k for k, e in kept.entries.items() if e.runs().spec != e.spec}
+    return Path(src.source), sorted(set(src.entries) - set(kept.entries) | replaced)
 
 
 def save_results(fp: dict, results, profile_dir, default_name, warn) -> Path | None:

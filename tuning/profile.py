@@ -58,6 +58,14 @@ class Entry:
                       kept_default=self.extra.get("default_spec") == self.spec.name,
                       trials=self.extra.get("trials"), wgmma_timed=bool(self.extra.get("wgmma", False)))
 
+    def runs(self) -> Choice:
+        """What dispatch runs for this entry's bucket with the entry in the profile, as the
+        current card answers (dispatch.on_card for the profile's): the entry's own choice,
+        or what takes its place (an outdated kept default, the f16 rule's tile where the
+        study did not time it)."""
+        from ..runtime import dispatch
+        return dispatch.resolve(self.key.op, self.key.qtype, self.key.shape, self.key.n, self.choice())
+
     def to_dict(self) -> dict:
         k = self.key
         return {"op": k.op, "qtype": k.qtype, "shape": list(k.shape), "n": k.n, "path": self.path,

@@ -183,6 +183,29 @@ def test_stale_buckets_include_an_outdated_kept_default(tmp_path, monkeypatch):
     assert [k.n for k in keys] == [2048]
 
 
+def test_stale_buckets_include_entries_the_f16_rule_replaces_on_their_card(tmp_path):
+    """On the card a profile names (an sm_90 one here, asked on a CPU), an entry whose study
+    did not time the wgmma tiles the rules take gives way to the rule's tile: --stale
+    re-tunes it; one whose study timed them stands. On an sm_89 card both stand."""
+    from moeforge.codegen.spec import MmfSpec
+    from moeforge.runtime import dispatch
+    shape = (32, 4, 2880, 2880)
+    old = MmfSpec("q4_0", 128, 128, 4, 4, 2, ids=True)
+    asks = dispatch._device_cc_major, dispatch.device_sm_count
+    for cc, want in (("9.0", [2048]), ("8.9", [])):
+        fp = fake_fp(templates=templates_hash(), cc=cc)
+        p = pm.Profile(fp)
+        for n, extra in ((2048, {}), (4096, {"wgmma": True})):
+            p.put(pm.Entry(TuneKey("mul_mat_id", "q4_0", shape, n), "mmf_id", old, 800.0, 900.0,
+                           {"default_spec": "mmq_id-q4_0-x64y128w4k8s2", "trials": 9,
+                            "paths": ["mmq_id", "mmf_id"], "kernel": source_hash(old), **extra}))
+        pdir = tmp_path / cc
+        pm.save(p, pdir / pm.file_name(fp))
+        _, keys = merge.stale_keys(fp, pdir, warn=pytest.fail)
+        assert [k.n for k in keys] == want, cc
+    assert (dispatch._device_cc_major, dispatch.device_sm_count) == asks    # this machine's again
+
+
 def test_tune_stale_reports_a_corrupt_profile_and_leaves_it(tmp_path, monkeypatch, capsys):
     from moeforge.cli import main
     from moeforge.cli_tune import _standin_fingerprint
