@@ -69,7 +69,9 @@ def _path(args, pdir: Path) -> int:
 
 def _list(args, pdir: Path) -> int:
     from .codegen.render import templates_hash
+    from .runtime import dispatch
     from .tuning.activate import assess, candidate_files
+    from .tuning.fingerprint import card
     from .tuning.profile import ProfileError, load
     here = _current_fp()
     files = candidate_files(pdir)
@@ -83,12 +85,17 @@ def _list(args, pdir: Path) -> int:
             print(f"{f}\n    CORRUPT: {'; '.join(e.problems[:3])}")
             continue
         fp = p.fingerprint
-        _, stale = p.with_current_kernels(here["templates"] if here else templates_hash())
+        usable, stale = p.with_current_kernels(here["templates"] if here else templates_hash())
         status = ""
         if here is not None:
             status = {"match": "  [this GPU]", "soft": "  [this GPU, other software: used with a warning]",
                       "refuse": ""}[assess(p, here)[0]]
-        note = f" ({stale} timed on kernels that have changed since: not used)" if stale else ""
+        notes = [f"{stale} timed on kernels that have changed since: not used"] if stale else []
+        with dispatch.on_card(*card(fp)):
+            replaced = sum(e.runs().spec != e.spec for e in usable.entries.values())
+        if replaced:
+            notes.append(f"{replaced} where another tile runs in its place: `moeforge profile show`")
+        note = f" ({'; '.join(notes)})" if notes else ""
         print(f"{f}{status}\n    {fp['gpu']} (cc {fp['cc']}, {fp['sm_count']} SMs, {fp['memory_gib']} GiB), "
               f"driver {fp['driver']}, CUDA {fp['cuda_runtime']}, NVRTC {fp['nvrtc']}, moeforge {fp['moeforge']}, "
               f"templates {fp['templates']}: {len(p.entries)} entries{note}")

@@ -211,6 +211,12 @@ def test_profile_show_says_what_runs_on_the_profiles_card(no_gpu, capsys, tmp_pa
                 "mmf_id-mxfp4-x128y256w8k4s3-wg runs") in lines[0] if marked else "runs)" not in lines[0]
         assert "runs)" not in lines[1]                         # timed the wgmma tiles: it stands
         assert ("1 of 2 entries were tuned before the f16 tiles" in out) == marked
+        pdir = tmp_path / f"dir{cc}"                          # and `profile list` counts it
+        pm.save(p, pdir / pm.file_name(p.fingerprint))
+        assert main(["profile", "list", "--profile-dir", str(pdir)]) == 0
+        listed = capsys.readouterr().out.splitlines()
+        ours = listed[listed.index(str(pdir / pm.file_name(p.fingerprint))) + 1]
+        assert ("2 entries (1 where another tile runs in its place" in ours) == marked, ours
     assert dispatch.device_sm_count() == 132 and dispatch._device_cc_major() is None   # this machine's again
 
 
