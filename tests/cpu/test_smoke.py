@@ -18,6 +18,43 @@ def test_gpu_machine_scripts_parse_and_llama_compare_asks_for_its_source():
     assert r.returncode != 0 and "usage: scripts/llama-compare LLAMA_SRC" in r.stderr
 
 
+def test_gpu_check_modes_call_what_they_say_and_pack_their_logs(tmp_path):
+    """scripts/gpu-check's rule and regions modes, with python3, ncu, nvidia-smi and moeforge
+    stubbed (each call logged): the A/B alternates the setting with the rules as they are
+    and ends with the model's A/B; regions runs ncu on each product; the logs come back as
+    one archive; rule without a setting refuses by name."""
+    import pathlib
+    import subprocess
+    import tarfile
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    stubs, log = tmp_path / "bin", tmp_path / "calls"
+    stubs.mkdir()
+    for name in ("python3", "ncu", "nvidia-smi", "moeforge"):
+        (stubs / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {log}\n'
+                                  '[[ "$*" == *"tree_ab.py run"* ]] && echo "{}"\nexit 0\n')
+        (stubs / name).chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(tmp_path / "out"),
+           "AB_SET": "MMF_WGMMA_Y256_MIN_WAVES=2", "REGIONS": "q4_0 128 8 2048 768 2048 down; q4_0 8 2 4096 14336 512 down"}
+    r = subprocess.run(["bash", str(repo / "scripts" / "gpu-check"), "rule"], cwd=repo, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    runs = [c for c in calls if "tree_ab.py run" in c]
+    assert len(runs) == 4 and ["--set" in c for c in runs] == [False, True, False, True]
+    assert any("dispatch_ab.py" in c and "MMF_WGMMA_Y256_MIN_WAVES=2" in c for c in calls)
+    with tarfile.open(tmp_path / "out" / "gpu-check.tgz") as tar:
+        assert "gpu-check/rule.jsonl" in tar.getnames()
+    assert not (tmp_path / "out" / "gpu-check").exists()
+    log.unlink()
+    r = subprocess.run(["bash", str(repo / "scripts" / "gpu-check"), "regions"], cwd=repo, env=env,
+                       capture_output=True, text=True)
+    profiled = [c for c in log.read_text().splitlines() if c.startswith("ncu --kernel-name")]
+    assert r.returncode == 0 and len(profiled) == 2 and profiled[1].endswith("tile_regions.py run q4_0 8 2 4096 14336 512 down")
+    r = subprocess.run(["bash", str(repo / "scripts" / "gpu-check"), "rule"], cwd=repo,
+                       env={**env, "AB_SET": ""}, capture_output=True, text=True)
+    assert r.returncode == 2 and "AB_SET=NAME=VALUE" in r.stdout
+
+
 def test_step_kernels_table_sums_an_ncu_export_and_flags_kernels_outside_the_chain():
     """scripts/step_kernels.py table: an ncu raw CSV export (its own lines and the program's
     around it, a units row, thousands separators) summed by kernel name, slowest first; a
