@@ -135,11 +135,11 @@ def run_tuning(args, keys, deadline: float | None, trials: int | None, cmd: str)
                   f"shipped: nothing is stale (`moeforge generate-and-tune` makes one)")
             return 0
         if not keys:
-            print(f"moeforge {cmd}: every entry of {src} was timed on the kernels of this moeforge, and none "
-                  f"kept a default that has changed since: nothing to re-tune")
+            print(f"moeforge {cmd}: every entry of {src} was timed on the kernels of this moeforge and runs as "
+                  f"it is: nothing to re-tune")
             return 0
-        print(f"moeforge {cmd}: {len(keys)} entries of {src} were timed on kernels that have changed since",
-              file=sys.stderr)
+        print(f"moeforge {cmd}: {len(keys)} entries of {src} do not run as they are (timed on kernels that have "
+              f"changed since, or another tile runs in their place: `moeforge profile show`)", file=sys.stderr)
     url = args.storage or paths.default_storage_url()
     task = study.Task(keys=keys, storage_url=url, fingerprint=fp, smem_limit=smem, trials=trials,
                       deadline=deadline, objective="standin" if standin else "gpu",
