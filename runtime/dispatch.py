@@ -539,29 +539,32 @@ def resolve(op: str, qtype: str, shape: tuple[int, int, int, int], n: int, found
     """What runs for a product (op "mul_mat_id" or "mul_mat", shape (E, top_k, m, k)) where
     the profile's entry is found (None: no entry): choose_mul_mat_id's and choose_mul_mat's
     answer for a tensor the f16 tiles can hold, without their lookup."""
-    E, top_k, m, k = shape
-    default, rule = _rules_mul_mat_id(qtype, E, top_k, m, k, n) if op == "mul_mat_id" else \
-        _rules_mul_mat(qtype, m, k, n)
+    default, rule = _rules(op, qtype, shape, n)
     return _resolve(found, default, True, rule)
 
 
-def _rules_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int):
-    return (lambda: default_mul_mat_id(qtype, E, top_k, m, k, n),
-            lambda: mmf_choice(qtype, n, n * top_k / E, m, (E, top_k)))
+def unprofiled(op: str, qtype: str, shape: tuple[int, int, int, int], n: int) -> Choice:
+    """What choose_mul_mat_id or choose_mul_mat runs where no profile entry speaks: the
+    tuner's baseline."""
+    default, rule = _rules(op, qtype, shape, n)
+    return _unprofiled(default, True, rule)
+
+
+def _rules(op: str, qtype: str, shape: tuple[int, int, int, int], n: int):
+    """A product's default and f16 rule, as callables (_resolve runs them only where needed)."""
+    E, top_k, m, k = shape
+    if op == "mul_mat_id":
+        return (lambda: default_mul_mat_id(qtype, E, top_k, m, k, n),
+                lambda: mmf_choice(qtype, n, n * top_k / E, m, (E, top_k)))
+    return lambda: default_mul_mat(qtype, m, k, n), lambda: mmf_choice(qtype, n, None, m)
 
 
 def choose_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int, f16: bool = True) -> Choice:
     """f16 False (a tensor the f16 tiles cannot hold, QuantTensor.f16_fits): an int8 path,
     the profile's where it chose one, else the default."""
     from .profiles_hook import lookup
-    default, rule = _rules_mul_mat_id(qtype, E, top_k, m, k, n)
+    default, rule = _rules("mul_mat_id", qtype, (E, top_k, m, k), n)
     return _resolve(lookup("mul_mat_id", qtype, (E, top_k, m, k), n), default, f16, rule)
-
-
-def unprofiled_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -> Choice:
-    """What choose_mul_mat_id runs where no profile entry speaks: the tuner's baseline."""
-    default, rule = _rules_mul_mat_id(qtype, E, top_k, m, k, n)
-    return _unprofiled(default, True, rule)
 
 
 # Expert tiles of the mean routing fewer than this many an SM: MMQ-ID with stream-k. Below
@@ -591,20 +594,10 @@ def default_mul_mat_id(qtype: str, E: int, top_k: int, m: int, k: int, n: int) -
     return Choice("mmq_id", spec)
 
 
-def _rules_mul_mat(qtype: str, m: int, k: int, n: int):
-    return lambda: default_mul_mat(qtype, m, k, n), lambda: mmf_choice(qtype, n, None, m)
-
-
 def choose_mul_mat(qtype: str, m: int, k: int, n: int, f16: bool = True) -> Choice:
     from .profiles_hook import lookup
-    default, rule = _rules_mul_mat(qtype, m, k, n)
+    default, rule = _rules("mul_mat", qtype, (1, 1, m, k), n)
     return _resolve(lookup("mul_mat", qtype, (1, 1, m, k), n), default, f16, rule)
-
-
-def unprofiled_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:
-    """What choose_mul_mat runs where no profile entry speaks: the tuner's baseline."""
-    default, rule = _rules_mul_mat(qtype, m, k, n)
-    return _unprofiled(default, True, rule)
 
 
 def default_mul_mat(qtype: str, m: int, k: int, n: int) -> Choice:

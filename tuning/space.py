@@ -244,10 +244,7 @@ def default_choice(key: TuneKey) -> Choice:
     speedup is of. (Until the eighteenth session the int8 default alone: on sm_90, where the
     rule takes the wgmma tiles, a study's table compared the tuned tile with a path nothing
     ran there: 1.68x on an H200.)"""
-    E, top_k, m, k = key.shape
-    if key.op == "mul_mat_id":
-        return dispatch.unprofiled_mul_mat_id(key.qtype, E, top_k, m, k, key.n)
-    return dispatch.unprofiled_mul_mat(key.qtype, m, k, key.n)
+    return dispatch.unprofiled(key.op, key.qtype, key.shape, key.n)
 
 
 def _int8_default(key: TuneKey) -> Choice:
